@@ -1,0 +1,137 @@
+"""GDeflate: NVIDIA's GPU-parallel Deflate variant, one RAW nvCOMP GDeflate stream per chunk.
+
+On the CPU this codec calls ``libnvcomp_cpu.so.6`` from the ``nvidia-libnvcomp-cu12`` wheel
+through ctypes (hand-written because the wheel ships no Python binding for its CPU functions;
+the library loads on machines without a GPU). Its bitstream is the one nvCOMP's GPU GDeflate
+reads and writes, so a chunk written by either decodes on the other (checked on the H200 in
+tests/gpu). The CPU functions take a batch of chunks; we call them per chunk from a thread pool
+(the call releases the GIL, as every ctypes call does).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.util
+import os
+from collections.abc import Sequence
+from concurrent.futures import Executor
+
+from nvdcp.codecs.base import Buffer, Codec
+from nvdcp.errors import CodecUnavailableError
+
+#: nvCOMP's GDeflate works on chunks of at most 64 KiB.
+MAX_CHUNK_BYTES = 1 << 16
+#: CPU compression level (0-12). Level 1 is the fast one; see benchmarks/codec_levels.py.
+DEFAULT_CPU_LEVEL = 1
+
+_SIZE_P = ctypes.POINTER(ctypes.c_size_t)
+_VOID_PP = ctypes.POINTER(ctypes.c_void_p)
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    spec = importlib.util.find_spec("nvidia.libnvcomp")
+    paths = list(spec.submodule_search_locations or []) if spec else []
+    for root in paths:
+        candidate = os.path.join(root, "lib64", "libnvcomp_cpu.so.6")
+        if os.path.exists(candidate):
+            lib = ctypes.CDLL(candidate)
+            break
+    else:
+        raise CodecUnavailableError(
+            "codec 'gdeflate' needs libnvcomp_cpu.so.6 from the nvidia-libnvcomp-cu12 wheel: "
+            "pip install nvidia-libnvcomp-cu12"
+        )
+    # C++ symbols from include/nvcomp/native/gdeflate_cpu.h, by their Itanium-mangled names.
+    compress = lib["_ZN6nvcomp8gdeflate11compressCPUEPKPKvPKmmmPKPvPmi"]
+    compress.argtypes = [_VOID_PP, _SIZE_P, ctypes.c_size_t, ctypes.c_size_t, _VOID_PP, _SIZE_P, ctypes.c_int]
+    compress.restype = None
+    decompress = lib["_ZN6nvcomp8gdeflate13decompressCPUEPKPKvPKmmPKPvPmSA_"]
+    decompress.argtypes = [_VOID_PP, _SIZE_P, ctypes.c_size_t, _VOID_PP, _SIZE_P, _SIZE_P]
+    decompress.restype = None
+    max_out = lib["_ZN6nvcomp8gdeflate32compressCPUGetMaxOutputChunkSizeEmPm"]
+    max_out.argtypes = [ctypes.c_size_t, _SIZE_P]
+    max_out.restype = None
+    return lib
+
+
+def _address(buf: Buffer) -> tuple[int, object]:
+    """Address of a buffer's first byte, plus the object that keeps it alive."""
+    if isinstance(buf, bytes):
+        keep = ctypes.c_char_p(buf)
+        return ctypes.cast(keep, ctypes.c_void_p).value or 0, keep
+    view = memoryview(buf)
+    if view.readonly:
+        copy = bytes(view)
+        return _address(copy)[0], copy
+    arr = (ctypes.c_char * len(view)).from_buffer(view)
+    return ctypes.addressof(arr), arr
+
+
+class GDeflateCodec(Codec):
+    name = "gdeflate"
+    codec_id = 2
+
+    def __init__(self, level: int = DEFAULT_CPU_LEVEL) -> None:
+        if not 0 <= level <= 12:
+            raise ValueError(f"gdeflate CPU level must be 0-12, got {level}")
+        self.level = level
+
+    @staticmethod
+    def available() -> bool:
+        try:
+            _library()
+        except CodecUnavailableError:
+            return False
+        return True
+
+    def _max_compressed(self, n: int) -> int:
+        out = ctypes.c_size_t(0)
+        _library()["_ZN6nvcomp8gdeflate32compressCPUGetMaxOutputChunkSizeEmPm"](n, ctypes.byref(out))
+        return out.value
+
+    def encode(self, chunk: Buffer) -> bytes:
+        n = len(chunk)
+        if n > MAX_CHUNK_BYTES:
+            raise ValueError(f"gdeflate chunks are at most {MAX_CHUNK_BYTES} bytes, got {n}")
+        if n == 0:
+            return b""
+        lib = _library()
+        src_addr, keep = _address(chunk)
+        out = ctypes.create_string_buffer(self._max_compressed(n))
+        in_ptrs = (ctypes.c_void_p * 1)(src_addr)
+        in_sizes = (ctypes.c_size_t * 1)(n)
+        out_ptrs = (ctypes.c_void_p * 1)(ctypes.addressof(out))
+        out_sizes = (ctypes.c_size_t * 1)(0)
+        lib["_ZN6nvcomp8gdeflate11compressCPUEPKPKvPKmmmPKPvPmi"](
+            in_ptrs, in_sizes, MAX_CHUNK_BYTES, 1, out_ptrs, out_sizes, self.level
+        )
+        del keep
+        return out.raw[: out_sizes[0]]
+
+    def decode(self, data: Buffer, out: memoryview) -> None:
+        n = len(out)
+        if n == 0:
+            if len(data):
+                raise ValueError("gdeflate stream for an empty chunk is not empty")
+            return
+        if not data:
+            raise ValueError("empty gdeflate stream")
+        lib = _library()
+        src_addr, keep = _address(data)
+        dst = (ctypes.c_char * n).from_buffer(out)
+        in_ptrs = (ctypes.c_void_p * 1)(src_addr)
+        in_sizes = (ctypes.c_size_t * 1)(len(data))
+        out_ptrs = (ctypes.c_void_p * 1)(ctypes.addressof(dst))
+        capacity = (ctypes.c_size_t * 1)(n)
+        actual = (ctypes.c_size_t * 1)(0)
+        lib["_ZN6nvcomp8gdeflate13decompressCPUEPKPKvPKmmPKPvPmSA_"](
+            in_ptrs, in_sizes, 1, out_ptrs, capacity, actual
+        )
+        del keep, dst
+        if actual[0] != n:
+            raise ValueError(f"gdeflate stream decodes to {actual[0]} bytes, expected {n}")
+
+    def encode_batch(self, chunks: Sequence[Buffer], pool: Executor | None = None) -> list[bytes]:
+        return super().encode_batch(chunks, pool)

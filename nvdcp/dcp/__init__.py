@@ -1,0 +1,1 @@
+"""The DCP glue: StorageWriter/StorageReader subclasses over the pipeline and storage layers."""

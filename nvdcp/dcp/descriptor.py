@@ -1,0 +1,64 @@
+"""The per-item record nvdcp leaves in ``.metadata``.
+
+We reuse torch's own ``_StorageInfo(relative_path, offset, length, transform_descriptors)``
+so stock torch can unpickle our ``.metadata``; the descriptor ``nvdcp.<codec>/<format version>``
+marks the item as ours (stock FileSystemReader refuses unknown descriptors instead of misreading
+the bytes) and tells a reader, before it fetches anything, whether it can decode the item.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+from nvdcp.codecs import CODEC_TABLE, codec_id
+from nvdcp.errors import CorruptCheckpointError, FormatVersionError, UnknownCodecError
+from nvdcp.format.header import FORMAT_VERSION
+
+PREFIX = "nvdcp."
+
+
+@functools.cache
+def descriptors(codec: str) -> tuple[str, ...]:
+    """The descriptor tuple for items whose main codec is ``codec``.
+
+    Cached so every item shares one tuple object: pickle memoizes it, which keeps ``.metadata``
+    within a few bytes per item of stock DCP's.
+    """
+    return (f"{PREFIX}{codec}/{FORMAT_VERSION}",)
+
+
+def storage_info(relative_path: str, offset: int, length: int, codec: str) -> _StorageInfo:
+    return _StorageInfo(relative_path, offset, length, descriptors(codec))
+
+
+def parse(info: object, where: str) -> tuple[str, int]:
+    """Validate one storage record from ``.metadata``; returns ``(codec name, format version)``."""
+    if not isinstance(info, _StorageInfo):
+        raise CorruptCheckpointError(f"{where}: storage record is {type(info).__name__}, not _StorageInfo")
+    if not isinstance(info.offset, int) or not isinstance(info.length, int) or info.offset < 0 or info.length < 0:
+        raise CorruptCheckpointError(f"{where}: storage record has invalid offset/length")
+    descs = info.transform_descriptors or ()
+    ours = [d for d in descs if isinstance(d, str) and d.startswith(PREFIX)]
+    if len(ours) != 1 or len(descs) != 1:
+        raise CorruptCheckpointError(
+            f"{where}: not an nvdcp item (descriptors {list(descs)!r}); a checkpoint written by "
+            "torch's FileSystemWriter loads with FileSystemReader, or convert it with `nvdcp convert`"
+        )
+    body = ours[0][len(PREFIX) :]
+    name, _, version_s = body.partition("/")
+    if not version_s.isdigit():
+        raise CorruptCheckpointError(f"{where}: malformed descriptor {ours[0]!r}")
+    version = int(version_s)
+    if version > FORMAT_VERSION:
+        raise FormatVersionError(
+            f"{where}: written by nvdcp container format v{version}; this nvdcp reads up to "
+            f"v{FORMAT_VERSION}; upgrade nvdcp"
+        )
+    try:
+        cid = codec_id(name)
+    except UnknownCodecError:
+        raise UnknownCodecError(f"{where}: unknown codec {name!r} in descriptor {ours[0]!r}") from None
+    assert cid in CODEC_TABLE
+    return name, version

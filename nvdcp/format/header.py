@@ -1,0 +1,208 @@
+"""Binary layout of data files and item records (container format v1, docs/FORMAT.md).
+
+Everything is little-endian and parsed with :mod:`struct`; nothing here unpickles. Parsing
+validates every field against the bytes actually present before anything is allocated, so a
+corrupt or hostile header fails fast with :class:`CorruptCheckpointError`.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+
+import crc32c
+
+from nvdcp.errors import CorruptCheckpointError, FormatVersionError, TruncatedCheckpointError
+
+FORMAT_VERSION = 1
+
+FILE_MAGIC = b"NVDCPF\x00\x01"
+ITEM_MAGIC = b"NVDI"
+
+KIND_TENSOR = 0
+KIND_BYTES = 1
+TRANSFORM_NONE = 0
+TRANSFORM_BYTEPLANES = 1
+
+DEFAULT_CHUNK_BYTES = 1 << 16
+MAX_CHUNK_BYTES = 1 << 24
+MAX_NDIM = 64
+MAX_PLANES = 16
+
+# magic, version, kind, dtype, transform, n_planes, ndim, reserved, chunk_bytes, raw_nbytes, header_bytes
+_ITEM_FIXED = struct.Struct("<4sHBBBBBBIQI")
+_FILE_FIXED = struct.Struct("<8sHHI")  # magic, version, reserved, info_len
+_CHUNK = struct.Struct("<II")  # stored bytes, crc32c of the stored bytes
+_CRC = struct.Struct("<I")
+
+
+def checksum(data: bytes | bytearray | memoryview, value: int = 0) -> int:
+    """CRC32C (Castagnoli); hardware-accelerated by the ``crc32c`` package."""
+    return crc32c.crc32c(data, value)
+
+
+@dataclass(frozen=True)
+class ItemHeader:
+    """The record in front of every stored item.
+
+    ``plane_codecs[p]`` compresses plane ``p``; planes are the element bytes split by position
+    (``transform == TRANSFORM_BYTEPLANES``) or the whole item as one plane. ``chunks`` lists
+    ``(stored_bytes, crc32c)`` for every chunk, plane-major. A chunk whose stored size equals its
+    uncompressed size is stored raw (compression never pays for it to be that large).
+    """
+
+    kind: int
+    dtype_code: int
+    shape: tuple[int, ...]
+    raw_nbytes: int
+    transform: int
+    plane_codecs: tuple[int, ...]
+    chunks: tuple[tuple[int, int], ...]
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    version: int = FORMAT_VERSION
+    header_bytes: int = field(default=0, compare=False)
+
+    @property
+    def plane_nbytes(self) -> int:
+        return self.raw_nbytes // len(self.plane_codecs)
+
+    @property
+    def chunks_per_plane(self) -> int:
+        return -(-self.plane_nbytes // self.chunk_bytes)
+
+    @property
+    def stored_nbytes(self) -> int:
+        return sum(size for size, _ in self.chunks)
+
+    def chunk_raw_size(self, index_in_plane: int) -> int:
+        start = index_in_plane * self.chunk_bytes
+        return min(self.chunk_bytes, self.plane_nbytes - start)
+
+    def pack(self) -> bytes:
+        n_planes = len(self.plane_codecs)
+        size = self.packed_size(len(self.shape), n_planes, len(self.chunks))
+        parts = [
+            _ITEM_FIXED.pack(
+                ITEM_MAGIC, self.version, self.kind, self.dtype_code, self.transform,
+                n_planes, len(self.shape), 0, self.chunk_bytes, self.raw_nbytes, size,
+            ),
+            struct.pack(f"<{len(self.shape)}Q", *self.shape),
+            bytes(self.plane_codecs) + b"\x00" * _pad4(n_planes),
+            b"".join(_CHUNK.pack(s, c) for s, c in self.chunks),
+        ]
+        body = b"".join(parts)
+        return body + _CRC.pack(checksum(body))
+
+    @staticmethod
+    def packed_size(ndim: int, n_planes: int, n_chunks: int) -> int:
+        return (
+            _ITEM_FIXED.size + 8 * ndim + n_planes + _pad4(n_planes)
+            + _CHUNK.size * n_chunks + _CRC.size
+        )
+
+
+def _pad4(n: int) -> int:
+    return (-n) % 4
+
+
+def parse_item_header(buf: memoryview, where: str) -> ItemHeader:
+    """Parse and validate the item record at the start of ``buf`` (the item's stored bytes).
+
+    ``where`` names the file and item for error messages. Checks, in order: enough bytes for the
+    fixed part, magic, version, field ranges, the declared header size against ``len(buf)``, the
+    header CRC, then chunk sizes against the payload that follows.
+    """
+    if len(buf) < _ITEM_FIXED.size:
+        raise TruncatedCheckpointError(f"{where}: item record is {len(buf)} bytes, shorter than its header")
+    (magic, version, kind, dtype_code, transform, n_planes, ndim, _r, chunk_bytes, raw_nbytes,
+     header_bytes) = _ITEM_FIXED.unpack_from(buf, 0)
+    if magic != ITEM_MAGIC:
+        raise CorruptCheckpointError(f"{where}: bad item magic {bytes(magic)!r}")
+    if version > FORMAT_VERSION:
+        raise FormatVersionError(
+            f"{where}: item written by container format v{version}; this nvdcp reads up to "
+            f"v{FORMAT_VERSION}; upgrade nvdcp"
+        )
+    if version < 1 or kind not in (KIND_TENSOR, KIND_BYTES) or transform not in (
+        TRANSFORM_NONE, TRANSFORM_BYTEPLANES
+    ):
+        raise CorruptCheckpointError(f"{where}: invalid item header fields")
+    if not 1 <= n_planes <= MAX_PLANES or ndim > MAX_NDIM or not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
+        raise CorruptCheckpointError(f"{where}: item header out of range (planes/ndim/chunk size)")
+    if raw_nbytes % n_planes:
+        raise CorruptCheckpointError(f"{where}: {raw_nbytes} bytes do not split into {n_planes} planes")
+    plane_nbytes = raw_nbytes // n_planes
+    n_chunks = n_planes * (-(-plane_nbytes // chunk_bytes))
+    expected = ItemHeader.packed_size(ndim, n_planes, n_chunks)
+    if header_bytes != expected:
+        raise CorruptCheckpointError(
+            f"{where}: header claims {header_bytes} bytes but its fields need {expected}"
+        )
+    if header_bytes > len(buf):
+        raise TruncatedCheckpointError(
+            f"{where}: header needs {header_bytes} bytes, only {len(buf)} present"
+        )
+    (stored_crc,) = _CRC.unpack_from(buf, header_bytes - _CRC.size)
+    if checksum(buf[: header_bytes - _CRC.size]) != stored_crc:
+        raise CorruptCheckpointError(f"{where}: item header checksum mismatch")
+    off = _ITEM_FIXED.size
+    shape = struct.unpack_from(f"<{ndim}Q", buf, off)
+    off += 8 * ndim
+    plane_codecs = tuple(buf[off : off + n_planes])
+    off += n_planes + _pad4(n_planes)
+    chunks = tuple(_CHUNK.iter_unpack(buf[off : off + _CHUNK.size * n_chunks]))
+    header = ItemHeader(
+        kind=kind, dtype_code=dtype_code, shape=tuple(shape), raw_nbytes=raw_nbytes,
+        transform=transform, plane_codecs=plane_codecs, chunks=chunks,  # type: ignore[arg-type]
+        chunk_bytes=chunk_bytes, version=version, header_bytes=header_bytes,
+    )
+    payload = len(buf) - header_bytes
+    if header.stored_nbytes != payload:
+        cls = TruncatedCheckpointError if header.stored_nbytes > payload else CorruptCheckpointError
+        raise cls(f"{where}: chunks hold {header.stored_nbytes} bytes, record has {payload}")
+    return header
+
+
+def pack_file_header(info: dict[str, object]) -> bytes:
+    """The data file's leading record: magic, format version, and who wrote it (JSON)."""
+    blob = json.dumps(info, sort_keys=True, separators=(",", ":")).encode()
+    body = _FILE_FIXED.pack(FILE_MAGIC, FORMAT_VERSION, 0, len(blob)) + blob
+    return body + _CRC.pack(checksum(body))
+
+
+def file_header_size(prefix: memoryview, where: str) -> int:
+    """Total size of the file header, from its first ``_FILE_FIXED.size`` bytes."""
+    if len(prefix) < _FILE_FIXED.size:
+        raise TruncatedCheckpointError(f"{where}: file shorter than its header")
+    magic, version, _r, info_len = _FILE_FIXED.unpack_from(prefix, 0)
+    if magic != FILE_MAGIC:
+        raise CorruptCheckpointError(f"{where}: not an nvdcp data file (magic {bytes(magic)!r})")
+    if version > FORMAT_VERSION:
+        raise FormatVersionError(
+            f"{where}: data file written by container format v{version}; this nvdcp reads up to "
+            f"v{FORMAT_VERSION}; upgrade nvdcp"
+        )
+    if info_len > 1 << 20:
+        raise CorruptCheckpointError(f"{where}: file header info of {info_len} bytes is implausible")
+    return _FILE_FIXED.size + info_len + _CRC.size
+
+
+FILE_FIXED_SIZE = _FILE_FIXED.size
+
+
+def parse_file_header(buf: memoryview, where: str) -> dict[str, object]:
+    """Validate a whole file header (as sized by :func:`file_header_size`) and return its info."""
+    size = file_header_size(buf, where)
+    if len(buf) < size:
+        raise TruncatedCheckpointError(f"{where}: file shorter than its header")
+    (stored_crc,) = _CRC.unpack_from(buf, size - _CRC.size)
+    if checksum(buf[: size - _CRC.size]) != stored_crc:
+        raise CorruptCheckpointError(f"{where}: file header checksum mismatch")
+    try:
+        info = json.loads(bytes(buf[_FILE_FIXED.size : size - _CRC.size]))
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"{where}: file header info is not JSON") from exc
+    if not isinstance(info, dict):
+        raise CorruptCheckpointError(f"{where}: file header info is not an object")
+    return info

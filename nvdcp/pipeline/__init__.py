@@ -1,0 +1,1 @@
+"""Item encoding: tensor bytes -> transform -> codec chunks -> container record, and back."""

@@ -1,0 +1,175 @@
+"""CPU item encoder and decoder: numpy byte planes + CPU codecs on a thread pool.
+
+The codecs release the GIL, so chunks of one item compress on all cores at once. Work goes to
+the pool in groups of chunks (``_GROUP_BYTES``) to keep per-task overhead small.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+import numpy as np
+
+from nvdcp.codecs import CODEC_TABLE, GPU_ONLY, codec_id, codec_name, cpu_codec
+from nvdcp.errors import CodecUnavailableError, CorruptCheckpointError
+from nvdcp.format.header import (
+    DEFAULT_CHUNK_BYTES,
+    TRANSFORM_BYTEPLANES,
+    ItemHeader,
+    checksum,
+    parse_item_header,
+)
+from nvdcp.pipeline.policy import Layout
+from nvdcp.transform import byteplanes
+
+_GROUP_BYTES = 1 << 20
+
+
+@dataclass
+class EncodedItem:
+    """An item ready to append to a data file: its header and its stored chunks, in order."""
+
+    header: ItemHeader
+    header_bytes: bytes
+    chunks: list[bytes | memoryview]
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.header_bytes) + self.header.stored_nbytes
+
+
+def _chunk_views(plane: memoryview, chunk_bytes: int) -> list[memoryview]:
+    return [plane[i : i + chunk_bytes] for i in range(0, len(plane), chunk_bytes)]
+
+
+def _encode_group(codec_name_: str, chunks: Sequence[memoryview]) -> list[tuple[bytes | memoryview, int]]:
+    codec = cpu_codec(codec_name_)
+    out: list[tuple[bytes | memoryview, int]] = []
+    for chunk in chunks:
+        stored: bytes | memoryview = codec.encode(chunk) if codec_name_ != "none" else chunk
+        if len(stored) >= len(chunk):
+            stored = chunk  # compression did not pay: keep the raw bytes (see ItemHeader)
+        out.append((stored, checksum(stored)))
+    return out
+
+
+def _groups(chunks: list[memoryview], chunk_bytes: int) -> list[list[memoryview]]:
+    per = max(1, _GROUP_BYTES // chunk_bytes)
+    return [chunks[i : i + per] for i in range(0, len(chunks), per)]
+
+
+def encode_item(
+    raw: np.ndarray,
+    *,
+    kind: int,
+    dtype_code: int,
+    shape: tuple[int, ...],
+    element_size: int,
+    layout: Layout,
+    pool: Executor | None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> EncodedItem:
+    """Encode one item's raw bytes (a flat uint8 array) with ``layout``."""
+    if layout.transform == TRANSFORM_BYTEPLANES:
+        planes = byteplanes.split(raw, element_size)
+    else:
+        planes = raw.reshape(1, -1)
+    jobs = []
+    for plane, name in zip(planes, layout.plane_codecs, strict=True):
+        if name in GPU_ONLY:
+            raise CodecUnavailableError(f"codec {name!r} can only encode on a GPU")
+        for group in _groups(_chunk_views(memoryview(plane), chunk_bytes), chunk_bytes):
+            jobs.append((name, group))
+    if pool is None or len(jobs) < 2:
+        results = [_encode_group(n, g) for n, g in jobs]
+    else:
+        results = list(pool.map(lambda job: _encode_group(*job), jobs))
+    stored = [pair for group in results for pair in group]
+    header = ItemHeader(
+        kind=kind,
+        dtype_code=dtype_code,
+        shape=shape,
+        raw_nbytes=raw.size,
+        transform=layout.transform,
+        plane_codecs=tuple(codec_id(n) for n in layout.plane_codecs),
+        chunks=tuple((len(s), crc) for s, crc in stored),
+        chunk_bytes=chunk_bytes,
+    )
+    return EncodedItem(header, header.pack(), [s for s, _ in stored])
+
+
+def _decode_group(
+    header: ItemHeader, payload: memoryview, out: memoryview, where: str,
+    start: int, stop: int, offsets: list[int],
+) -> None:
+    per_plane = header.chunks_per_plane
+    for i in range(start, stop):
+        plane, k = divmod(i, per_plane)
+        size, crc = header.chunks[i]
+        data = payload[offsets[i] : offsets[i] + size]
+        if checksum(data) != crc:
+            raise CorruptCheckpointError(f"{where}: chunk {i} (plane {plane}) checksum mismatch")
+        raw_size = header.chunk_raw_size(k)
+        dst_start = plane * header.plane_nbytes + k * header.chunk_bytes
+        dst = out[dst_start : dst_start + raw_size]
+        if size == raw_size:
+            dst[:] = data
+            continue
+        if size > raw_size:
+            raise CorruptCheckpointError(
+                f"{where}: chunk {i} (plane {plane}) stores {size} bytes for {raw_size} raw"
+            )
+        name = codec_name(header.plane_codecs[plane])
+        try:
+            cpu_codec(name).decode(data, dst)
+        except CodecUnavailableError as exc:
+            raise CodecUnavailableError(f"{where}: {exc}") from None
+        except ValueError as exc:
+            raise CorruptCheckpointError(
+                f"{where}: chunk {i} (plane {plane}, codec {name}) does not decode: {exc}"
+            ) from exc
+
+
+def decode_item(
+    record: memoryview, where: str, pool: Executor | None, element_size: int = 1
+) -> tuple[ItemHeader, np.ndarray]:
+    """Verify and decode one stored item record; returns its header and raw bytes (flat uint8).
+
+    Every chunk's CRC32C is checked before its bytes reach a decoder.
+    """
+    header = parse_item_header(record, where)
+    for cid in set(header.plane_codecs):
+        if cid not in CODEC_TABLE:
+            raise CorruptCheckpointError(f"{where}: unknown codec id {cid}")
+        name, _, cpu_ok = CODEC_TABLE[cid]
+        if not cpu_ok:
+            raise CodecUnavailableError(
+                f"{where}: stored with codec {name!r}, which has no CPU decoder; load it on a "
+                "machine with an NVIDIA GPU (or convert it there with another codec)"
+            )
+    n_planes = len(header.plane_codecs)
+    if header.transform == TRANSFORM_BYTEPLANES and n_planes != element_size:
+        raise CorruptCheckpointError(f"{where}: {n_planes} byte planes for {element_size}-byte elements")
+    payload = record[header.header_bytes :]
+    offsets = [0]
+    for size, _ in header.chunks:
+        offsets.append(offsets[-1] + size)
+    buf = np.empty(header.raw_nbytes, dtype=np.uint8)
+    out = memoryview(buf)
+    n = len(header.chunks)
+    per = max(1, _GROUP_BYTES // header.chunk_bytes)
+    spans = [(s, min(n, s + per)) for s in range(0, n, per)]
+    args = (header, payload, out, where)
+    if pool is None or len(spans) < 2:
+        for s, e in spans:
+            _decode_group(*args, s, e, offsets)
+    else:
+        for f in [pool.submit(_decode_group, *args, s, e, offsets) for s, e in spans]:
+            f.result()
+    if header.transform == TRANSFORM_BYTEPLANES:
+        merged = np.empty_like(buf)
+        byteplanes.merge(buf, n_planes, merged)
+        buf = merged
+    return header, buf

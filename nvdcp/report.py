@@ -1,0 +1,75 @@
+"""Save and load summaries: bytes in and out, ratio, time per phase."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Report:
+    """What one save or load moved and how long each phase took (seconds summed over threads).
+
+    ``raw_bytes`` are the tensors' uncompressed bytes, ``stored_bytes`` what storage holds.
+    Available as ``writer.last_report`` / ``reader.last_report`` and logged once at INFO.
+    """
+
+    op: str
+    url: str
+    raw_bytes: int = 0
+    stored_bytes: int = 0
+    items: int = 0
+    seconds: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, raw: int, stored: int, **phase_seconds: float) -> None:
+        with self._lock:
+            self.raw_bytes += raw
+            self.stored_bytes += stored
+            self.items += 1 if raw or stored else 0
+            for phase, s in phase_seconds.items():
+                self.phases[phase] = self.phases.get(phase, 0.0) + s
+
+    @property
+    def ratio(self) -> float:
+        return self.raw_bytes / self.stored_bytes if self.stored_bytes else 1.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "op": self.op, "url": self.url, "raw_bytes": self.raw_bytes,
+            "stored_bytes": self.stored_bytes, "ratio": round(self.ratio, 4), "items": self.items,
+            "seconds": round(self.seconds, 4),
+            "phases": {k: round(v, 4) for k, v in sorted(self.phases.items())},
+            "gb_per_s": round(self.raw_bytes / self.seconds / 1e9, 3) if self.seconds else None,
+        }
+
+    def summary(self) -> str:
+        phases = " ".join(f"{k}={v:.3f}s" for k, v in sorted(self.phases.items()))
+        rate = f" {self.raw_bytes / self.seconds / 1e9:.2f} GB/s" if self.seconds else ""
+        return (
+            f"{self.url}: {self.items} items, {self.raw_bytes} -> {self.stored_bytes} bytes "
+            f"(ratio {self.ratio:.3f}) in {self.seconds:.3f}s{rate} [{phases}]"
+        )
+
+    @classmethod
+    def from_metadata(cls, op: str, url: str, metadata: Any) -> Report:
+        """Whole-checkpoint totals from a ``Metadata`` whose ``storage_data`` is filled in."""
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+        report = cls(op, url)
+        for index, info in (metadata.storage_data or {}).items():
+            md = metadata.state_dict_metadata.get(index.fqn)
+            raw = info.length
+            if md is not None and not isinstance(md, BytesStorageMetadata):
+                chunk = next((c for c in md.chunks if list(c.offsets) == list(index.offset or [])), None)
+                if chunk is not None:
+                    numel = 1
+                    for s in chunk.sizes:
+                        numel *= s
+                    raw = numel * torch.empty((), dtype=md.properties.dtype).element_size()
+            report.add(raw, info.length)
+        return report

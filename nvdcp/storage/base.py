@@ -1,0 +1,102 @@
+"""The storage seam: one small protocol that local disk, S3 and fsspec backends implement.
+
+A checkpoint is a flat set of named objects under one root (a directory or a key prefix):
+data files written as streams, and ``.metadata`` written last, atomically. Readers fetch byte
+ranges. Every backend passes the same conformance suite (tests/storage/test_conformance.py).
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+
+from nvdcp.errors import CorruptCheckpointError
+
+Buffer = bytes | bytearray | memoryview
+
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+
+
+def check_name(name: str, root: str) -> str:
+    """Refuse object names that could leave the checkpoint root (``..``, ``/``, absolute paths).
+
+    Names come from ``.metadata``, which may be hostile: this runs before any path is built.
+    """
+    if not isinstance(name, str) or not _NAME.match(name) or name in (".", ".."):
+        raise CorruptCheckpointError(f"{root}: refusing object name {name!r} (must be a plain file name)")
+    return name
+
+
+class WriteStream(ABC):
+    """An object being written. Nothing is visible as complete until :meth:`commit` returns."""
+
+    @abstractmethod
+    def write(self, data: Buffer) -> None:
+        """Append ``data``."""
+
+    @abstractmethod
+    def tell(self) -> int:
+        """Bytes written so far."""
+
+    @abstractmethod
+    def commit(self) -> None:
+        """Make the object durable (fsync / complete the multipart upload)."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Discard the object; safe to call after a failure and more than once."""
+
+    def writelines(self, parts: Iterable[Buffer]) -> None:
+        for part in parts:
+            self.write(part)
+
+
+class Storage(ABC):
+    """A checkpoint root. ``url`` is how errors and logs name it (never with credentials)."""
+
+    url: str
+
+    @abstractmethod
+    def prepare(self) -> None:
+        """Create the root if needed (a directory, or check the bucket is reachable)."""
+
+    @abstractmethod
+    def create(self, name: str) -> WriteStream:
+        """Start writing object ``name``, replacing any object of that name once committed."""
+
+    @abstractmethod
+    def write_atomic(self, name: str, data: bytes) -> None:
+        """Write a small object so readers see either the old or the new content, never a mix."""
+
+    @abstractmethod
+    def read_range(self, name: str, offset: int, length: int) -> Buffer:
+        """Exactly ``length`` bytes at ``offset``; fewer available raises TruncatedCheckpointError."""
+
+    def read_ranges(self, name: str, ranges: Sequence[tuple[int, int]]) -> list[Buffer]:
+        """Several ranges of one object; backends with request overheads coalesce them."""
+        return [self.read_range(name, off, n) for off, n in ranges]
+
+    @abstractmethod
+    def read(self, name: str) -> bytes:
+        """A whole (small) object. Missing objects raise ``FileNotFoundError`` subclasses."""
+
+    @abstractmethod
+    def size(self, name: str) -> int:
+        """Size of an object in bytes."""
+
+    @abstractmethod
+    def exists(self, name: str) -> bool:
+        """Whether the object exists."""
+
+    @abstractmethod
+    def list(self) -> list[str]:
+        """Names of the objects directly under the root."""
+
+    @abstractmethod
+    def delete(self, names: Iterable[str]) -> None:
+        """Delete objects; names that are already gone are ignored."""
+
+    def describe(self, name: str) -> str:
+        """How messages name one object."""
+        return f"{self.url.rstrip('/')}/{name}"

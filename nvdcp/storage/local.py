@@ -1,0 +1,183 @@
+"""Local (POSIX) file system backend: real files, fsync, temp-file-and-rename commits."""
+
+from __future__ import annotations
+
+import errno
+import os
+import uuid
+from collections.abc import Iterable
+
+from nvdcp.errors import (
+    MissingDataFileError,
+    NotACheckpointDirectoryError,
+    StorageError,
+    TruncatedCheckpointError,
+)
+from nvdcp.storage.base import Buffer, Storage, WriteStream, check_name
+
+
+def _storage_error(exc: OSError, what: str) -> StorageError:
+    reason = "disk full" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
+    err = StorageError(exc.errno, f"{what}: {reason}")
+    err.filename = getattr(exc, "filename", None)
+    return err
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _LocalWriteStream(WriteStream):
+    def __init__(self, path: str, sync: bool) -> None:
+        self.path = path
+        self.sync = sync
+        try:
+            self._file = open(path, "wb", buffering=0)  # noqa: SIM115 - closed in commit/abort
+        except OSError as exc:
+            raise _storage_error(exc, f"cannot create {path}") from exc
+        self._pos = 0
+
+    def write(self, data: Buffer) -> None:
+        view = memoryview(data).cast("B")
+        try:
+            while view:
+                n = self._file.write(view)
+                view = view[n:]
+                self._pos += n
+        except OSError as exc:
+            raise _storage_error(exc, f"writing {self.path}") from exc
+
+    def tell(self) -> int:
+        return self._pos
+
+    def commit(self) -> None:
+        try:
+            if self.sync:
+                os.fsync(self._file.fileno())
+            self._file.close()
+        except OSError as exc:
+            raise _storage_error(exc, f"committing {self.path}") from exc
+
+    def abort(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+class LocalStorage(Storage):
+    """A directory on a local or network file system.
+
+    ``sync=True`` fsyncs every data file at commit and ``.metadata`` and the directory at the
+    atomic write, so a committed checkpoint survives a power cut.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], sync: bool = True) -> None:
+        self.root = os.path.abspath(os.fspath(path))
+        self.url = self.root
+        self.sync = sync
+        if os.path.exists(self.root) and not os.path.isdir(self.root):
+            raise NotACheckpointDirectoryError(
+                errno.ENOTDIR, f"{self.root} is a file, not a checkpoint directory"
+            )
+
+    def _path(self, name: str) -> str:
+        path = os.path.join(self.root, check_name(name, self.url))
+        # A symlink inside the root must not lead outside it.
+        if os.path.islink(path):
+            real = os.path.realpath(path)
+            if os.path.commonpath([real, os.path.realpath(self.root)]) != os.path.realpath(self.root):
+                raise MissingDataFileError(
+                    errno.ENOENT, f"{path} is a symlink pointing outside the checkpoint ({real})"
+                )
+        return path
+
+    def prepare(self) -> None:
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except FileExistsError as exc:
+            raise NotACheckpointDirectoryError(
+                errno.ENOTDIR, f"{self.root} is a file, not a checkpoint directory"
+            ) from exc
+        except OSError as exc:
+            raise _storage_error(exc, f"cannot create {self.root}") from exc
+
+    def create(self, name: str) -> WriteStream:
+        return _LocalWriteStream(self._path(name), self.sync)
+
+    def write_atomic(self, name: str, data: bytes) -> None:
+        final = self._path(name)
+        tmp = f"{final}.{uuid.uuid4().hex[:8]}.tmp"
+        stream = _LocalWriteStream(tmp, self.sync)
+        try:
+            stream.write(data)
+            stream.commit()
+            os.replace(tmp, final)
+            if self.sync:
+                _fsync_dir(self.root)
+        except BaseException:
+            stream.abort()
+            raise
+
+    def read_range(self, name: str, offset: int, length: int) -> Buffer:
+        path = self._path(name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise MissingDataFileError(errno.ENOENT, f"{path}: data file is missing") from None
+        except OSError as exc:
+            raise _storage_error(exc, f"cannot open {path}") from exc
+        try:
+            buf = bytearray(length)
+            view = memoryview(buf)
+            got = 0
+            while got < length:
+                n = os.preadv(fd, [view[got:]], offset + got)
+                if n == 0:
+                    raise TruncatedCheckpointError(
+                        f"{path}: wanted {length} bytes at offset {offset}, file ends after {got}"
+                    )
+                got += n
+            return buf
+        except OSError as exc:
+            raise _storage_error(exc, f"reading {path}") from exc
+        finally:
+            os.close(fd)
+
+    def read(self, name: str) -> bytes:
+        path = self._path(name)
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            raise MissingDataFileError(errno.ENOENT, f"{path} does not exist") from None
+        except OSError as exc:
+            raise _storage_error(exc, f"reading {path}") from exc
+
+    def size(self, name: str) -> int:
+        try:
+            return os.path.getsize(self._path(name))
+        except FileNotFoundError:
+            raise MissingDataFileError(errno.ENOENT, f"{self._path(name)}: data file is missing") from None
+
+    def exists(self, name: str) -> bool:
+        return os.path.exists(self._path(name))
+
+    def list(self) -> list[str]:
+        try:
+            return sorted(os.listdir(self.root))
+        except FileNotFoundError:
+            return []
+
+    def delete(self, names: Iterable[str]) -> None:
+        for name in names:
+            try:
+                os.unlink(self._path(name))
+            except FileNotFoundError:
+                pass

@@ -1,0 +1,1 @@
+"""Reversible, dtype-aware rearrangements applied before a codec sees the bytes."""
