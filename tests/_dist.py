@@ -1,0 +1,38 @@
+"""Run a function on N real gloo processes on 127.0.0.1 (torch.multiprocessing spawn)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    warnings.filterwarnings("ignore")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world: int, fn: Callable[..., Any], *args: Any) -> None:
+    """Run ``fn(rank, world, *args)`` on ``world`` processes; raises if any rank fails.
+
+    ``fn`` must be a module-level function (it is pickled into the children).
+    """
+    mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True, start_method="spawn")
