@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 
 from nvdcp.dcp.reader import NvcompReader
 from nvdcp.dcp.writer import NvcompWriter
+from nvdcp.verify import VerifyReport, verify_checkpoint
 from nvdcp.errors import (
     CheckpointExistsError,
     CodecUnavailableError,
@@ -39,5 +40,7 @@ __all__ = [
     "StorageError",
     "TruncatedCheckpointError",
     "UnknownCodecError",
+    "VerifyReport",
+    "verify_checkpoint",
     "__version__",
 ]

@@ -50,3 +50,27 @@ class CheckpointExistsError(NvdcpError, FileExistsError):
 
 class NotACheckpointDirectoryError(NvdcpError, NotADirectoryError):
     """The checkpoint path exists but is a file."""
+
+
+class BucketNotFoundError(StorageError):
+    """The bucket (or container) named in a storage URL does not exist.
+
+    Deliberately not a ``FileNotFoundError``: a missing bucket is a configuration error, and must not
+    read as "no checkpoint saved here yet".
+    """
+
+
+class AccessDeniedError(StorageError, PermissionError):
+    """The storage service refused the request: the credentials lack a permission (S3 ``AccessDenied``)."""
+
+
+class S3AccessDeniedError(AccessDeniedError):
+    """S3 answered ``AccessDenied`` (HTTP 403) for a bucket or object."""
+
+
+class StorageCredentialsError(AccessDeniedError):
+    """Credentials are missing, unknown, malformed or expired (``InvalidAccessKeyId``, ``ExpiredToken``...)."""
+
+
+class StorageUnavailableError(StorageError, ConnectionError):
+    """The endpoint could not be reached, or kept failing (throttling, 5xx, dropped connections) after every retry."""

@@ -129,7 +129,7 @@ class NvcompReader(StorageReader):
         for req in plan.items:
             by_item.setdefault(req.storage_index, []).append(req)
         # Read in file order so a local disk sees sequential-ish access.
-        order = sorted(by_item, key=lambda ix: self._record(ix)[:2])
+        order = sorted(by_item, key=lambda ix: self.record_of(ix)[:2])
         for index, header, data in self._fetch_and_decode(order, report):
             for req in by_item[index]:
                 self._commit(req, header, data, planner)
@@ -150,18 +150,18 @@ class NvcompReader(StorageReader):
         return "://" not in spec or spec.startswith(("file://", "s3://"))
 
     # -- internals -----------------------------------------------------------------------------
-    def _record(self, index: MetadataIndex) -> tuple[str, int, int]:
+    def record_of(self, index: MetadataIndex) -> tuple[str, int, int]:
         assert self.metadata is not None
         info = self.metadata.storage_data.get(index)
-        where = f"{self.storage.url} item {_describe(index)}"
+        where = f"{self.storage.url} item {describe_index(index)}"
         if info is None:
             raise CorruptCheckpointError(f"{where}: no storage record in .metadata")
         descriptor.parse(info, where)
         return info.relative_path, info.offset, info.length
 
-    def _where(self, index: MetadataIndex) -> str:
-        name, offset, _ = self._record(index)
-        return f"{self.storage.describe(name)} @ {offset} item {_describe(index)}"
+    def where(self, index: MetadataIndex) -> str:
+        name, offset, _ = self.record_of(index)
+        return f"{self.storage.describe(name)} @ {offset} item {describe_index(index)}"
 
     def _expected(self, index: MetadataIndex) -> tuple[torch.dtype | None, tuple[int, ...] | None]:
         assert self.metadata is not None
@@ -175,9 +175,10 @@ class NvcompReader(StorageReader):
             return None, None
         return None, None
 
-    def _load_one(self, index: MetadataIndex, report: Report) -> tuple[ItemHeader, np.ndarray]:
-        name, offset, length = self._record(index)
-        where = self._where(index)
+    def load_item(self, index: MetadataIndex, report: Report) -> tuple[ItemHeader, np.ndarray]:
+        """Fetch, verify and decode one stored item; returns its header and raw bytes."""
+        name, offset, length = self.record_of(index)
+        where = self.where(index)
         t0 = time.perf_counter()
         record = self.storage.read_range(name, offset, length)
         t1 = time.perf_counter()
@@ -218,7 +219,7 @@ class NvcompReader(StorageReader):
             it = iter(order)
             try:
                 for index in it:
-                    pending.append((index, io_pool.submit(self._load_one, index, report)))
+                    pending.append((index, io_pool.submit(self.load_item, index, report)))
                     if len(pending) >= window:
                         idx, fut = pending.pop(0)
                         yield (idx, *fut.result())
@@ -240,14 +241,14 @@ class NvcompReader(StorageReader):
         target = planner.resolve_tensor(req).detach()
         if target.shape != src.shape:
             raise CorruptCheckpointError(
-                f"item {_describe(req.storage_index)}: planner wants {tuple(target.shape)}, "
+                f"item {describe_index(req.storage_index)}: planner wants {tuple(target.shape)}, "
                 f"stored region is {tuple(src.shape)}"
             )
         target.copy_(src)
         planner.commit_tensor(req, target)
 
 
-def _describe(index: MetadataIndex) -> str:
+def describe_index(index: MetadataIndex) -> str:
     if index.offset is None:
         return repr(index.fqn)
     return f"{index.fqn!r} offset {tuple(index.offset)}"

@@ -132,6 +132,19 @@ def _decode_group(
             ) from exc
 
 
+def verify_chunks(record: memoryview, where: str) -> ItemHeader:
+    """Check an item record's header and every chunk's CRC32C without decoding anything."""
+    header = parse_item_header(record, where)
+    payload = record[header.header_bytes :]
+    pos = 0
+    for i, (size, crc) in enumerate(header.chunks):
+        if checksum(payload[pos : pos + size]) != crc:
+            plane = i // header.chunks_per_plane
+            raise CorruptCheckpointError(f"{where}: chunk {i} (plane {plane}) checksum mismatch")
+        pos += size
+    return header
+
+
 def decode_item(
     record: memoryview, where: str, pool: Executor | None, element_size: int = 1
 ) -> tuple[ItemHeader, np.ndarray]:
