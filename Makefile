@@ -1,0 +1,23 @@
+# Two entry points for a fresh machine (Python 3.10+, no GPU needed):
+#   make demo   train, checkpoint with nvdcp, resume at another world size, verify
+#   make test   install everything into .venv and run the test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch 2.13.0's CPU wheel; on a GPU machine install your CUDA build of torch first.
+TORCH ?= torch==2.13.0
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[test,s3]"
+	touch $@
+
+.PHONY: install demo test
+install: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(PY) -m nvdcp.demo
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q

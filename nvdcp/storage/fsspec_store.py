@@ -1,0 +1,275 @@
+"""fsspec backend: any fsspec URL (``memory://``, ``gs://``, ``az://``, ``s3://`` through s3fs...).
+
+Streams are opened with ``autocommit=False``: remote file systems (s3fs, gcsfs, adlfs) then upload
+while data is written but publish the object only at :meth:`WriteStream.commit`, and discard it
+(abort the multipart upload) on :meth:`WriteStream.abort`. Range reads go through
+``cat_ranges`` after merging near ranges with fsspec's own ``merge_offset_ranges``.
+
+fsspec and the protocol's package (s3fs, gcsfs, adlfs) are imported only when a URL needs them.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from nvdcp.errors import (
+    AccessDeniedError,
+    BucketNotFoundError,
+    MissingDataFileError,
+    NvdcpError,
+    StorageError,
+    TruncatedCheckpointError,
+)
+from nvdcp.storage.base import Buffer, Storage, WriteStream, check_name
+
+# Object stores whose first path component is a bucket/container that nvdcp must not create.
+_BUCKETED = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"})
+
+
+def _import_fsspec() -> Any:
+    try:
+        import fsspec
+    except ImportError as exc:
+        raise ImportError(
+            "fsspec URLs need fsspec and the protocol's package: pip install 'nvdcp[s3]' (s3fs), "
+            "or pip install fsspec gcsfs / adlfs"
+        ) from exc
+    return fsspec
+
+
+def translate_fsspec_error(exc: BaseException, where: str, op: str) -> NvdcpError:
+    """The one place errors of fsspec implementations become :mod:`nvdcp.errors` classes.
+
+    fsspec backends already map their service codes onto builtins (s3fs: ``translate_boto_error``),
+    so this maps builtins.
+    """
+    if isinstance(exc, NvdcpError):
+        return exc
+    text = f"{where}: {op}: {type(exc).__name__}: {exc}"
+    if isinstance(exc, FileNotFoundError):
+        return MissingDataFileError(f"{where}: object does not exist")
+    if isinstance(exc, PermissionError):
+        return AccessDeniedError(errno.EACCES, f"{text} (access denied or invalid credentials)")
+    return StorageError(getattr(exc, "errno", None) or errno.EIO, text)
+
+
+class _FsspecWriteStream(WriteStream):
+    def __init__(self, store: FsspecStorage, path: str, where: str) -> None:
+        self._store = store
+        self._path = path
+        self._where = where
+        self._pos = 0
+        self._done = False
+        try:
+            self._file = store.fs.open(path, "wb", autocommit=False)
+        except Exception as exc:
+            raise translate_fsspec_error(exc, where, "open") from exc
+
+    def write(self, data: Buffer) -> None:
+        if self._done:
+            raise ValueError(f"{self._where}: write stream is closed")
+        try:
+            self._file.write(data)
+        except Exception as exc:
+            raise translate_fsspec_error(exc, self._where, "write") from exc
+        self._pos += memoryview(data).nbytes
+
+    def tell(self) -> int:
+        return self._pos
+
+    def commit(self) -> None:
+        if self._done:
+            raise ValueError(f"{self._where}: write stream is closed")
+        try:
+            self._file.close()
+            self._file.commit()
+        except Exception as exc:
+            self.abort()
+            raise translate_fsspec_error(exc, self._where, "commit") from exc
+        self._done = True
+        self._forget()
+
+    def abort(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        try:
+            self._file.discard()
+            if _visible_while_writing(self._file):
+                self._store.fs.rm_file(self._path)
+        except FileNotFoundError:
+            pass
+        except Exception as exc:
+            raise translate_fsspec_error(exc, self._where, "abort") from exc
+        finally:
+            self._forget()
+
+    def _forget(self) -> None:
+        # fsspec keeps non-autocommit files in fs.transaction.files; drop ours so they don't pile up.
+        transaction = getattr(self._store.fs, "_transaction", None)
+        files = getattr(transaction, "files", None)
+        if files is not None and self._file in files:
+            files.remove(self._file)
+
+
+def _visible_while_writing(f: Any) -> bool:
+    """fsspec's in-memory file system publishes a file when it is opened, whatever ``autocommit``."""
+    from fsspec.implementations.memory import MemoryFile
+
+    return isinstance(f, MemoryFile)
+
+
+class FsspecStorage(Storage):
+    """A checkpoint under any fsspec URL.
+
+    Args:
+        url: e.g. ``memory://ckpt``, ``gs://bucket/prefix``, ``s3://bucket/prefix``.
+        coalesce_gap: ranges of one object closer than this are fetched by one request.
+        **storage_options: passed to the fsspec file system (``endpoint_url``, ``key``, ``anon``...).
+    """
+
+    def __init__(self, url: str, *, coalesce_gap: int = 1 << 20, **storage_options: Any) -> None:
+        fsspec = _import_fsspec()
+        if not isinstance(coalesce_gap, int) or coalesce_gap < 0:
+            raise ValueError(f"coalesce_gap must be a non-negative integer, got {coalesce_gap!r}")
+        self.coalesce_gap = coalesce_gap
+        try:
+            self.fs, root = fsspec.core.url_to_fs(url, **storage_options)
+        except ImportError as exc:
+            raise ImportError(f"{url.split('://')[0]}:// URLs need an fsspec implementation: {exc}") from exc
+        self.root = root.rstrip("/")
+        self.protocol = url.split("://", 1)[0]
+        self.url = f"{self.protocol}://{self.root}"
+
+    def __repr__(self) -> str:
+        return f"FsspecStorage({self.url!r})"
+
+    def _path(self, name: str) -> str:
+        return f"{self.root}/{check_name(name, self.url)}"
+
+    def prepare(self) -> None:
+        try:
+            if self.protocol in _BUCKETED:
+                bucket = self.root.split("/", 1)[0]
+                if not self.fs.exists(bucket):
+                    raise BucketNotFoundError(errno.ENOENT, f"{self.url}: bucket {bucket!r} does not exist")
+            else:
+                self.fs.makedirs(self.root, exist_ok=True)
+        except Exception as exc:
+            raise translate_fsspec_error(exc, self.url, "prepare") from exc
+
+    def create(self, name: str) -> WriteStream:
+        return _FsspecWriteStream(self, self._path(name), self.describe(name))
+
+    def write_atomic(self, name: str, data: bytes) -> None:
+        # One pipe_file is a single PUT on object stores and one dict entry in memory://.
+        path = self._path(name)
+        try:
+            self.fs.pipe_file(path, bytes(data))
+        except Exception as exc:
+            raise translate_fsspec_error(exc, self.describe(name), "write") from exc
+
+    def read_range(self, name: str, offset: int, length: int) -> Buffer:
+        return self.read_ranges(name, [(offset, length)])[0]
+
+    def read_ranges(self, name: str, ranges: Sequence[tuple[int, int]]) -> list[Buffer]:
+        from fsspec.utils import merge_offset_ranges
+
+        path, where = self._path(name), self.describe(name)
+        for off, n in ranges:
+            if off < 0 or n < 0:
+                raise ValueError(f"{where}: invalid range offset={off!r} length={n!r}")
+        wanted = [(off, n) for off, n in ranges if n > 0]
+        if not wanted:
+            self._check_offsets(name, ranges)
+            return [b"" for _ in ranges]
+        _, starts, ends = merge_offset_ranges(
+            [path] * len(wanted), [o for o, _ in wanted], [o + n for o, n in wanted], max_gap=self.coalesce_gap
+        )
+        blocks = self._cat_ranges(path, where, starts, ends)  # type: ignore[arg-type]
+        return [self._slice(blocks, starts, off, n, where) if n else b"" for off, n in ranges]
+
+    def _cat_ranges(self, path: str, where: str, starts: list[int], ends: list[int]) -> list[bytes]:
+        try:
+            blocks = self.fs.cat_ranges([path] * len(starts), starts, ends, on_error="raise")
+        except Exception as exc:
+            raise translate_fsspec_error(exc, where, "read") from exc
+        for block in blocks:
+            if isinstance(block, BaseException):
+                raise translate_fsspec_error(block, where, "read") from block
+        return blocks
+
+    @staticmethod
+    def _slice(blocks: list[bytes], starts: list[int], off: int, n: int, where: str) -> Buffer:
+        # The block holding [off, off+n) is the last one starting at or before off.
+        i = max(j for j, s in enumerate(starts) if s <= off)
+        view = memoryview(blocks[i])[off - starts[i] : off - starts[i] + n]
+        if len(view) < n:
+            raise TruncatedCheckpointError(
+                f"{where}: wanted {n} bytes at offset {off}, object ends after {starts[i] + len(blocks[i])}"
+            )
+        return view
+
+    def _check_offsets(self, name: str, ranges: Sequence[tuple[int, int]]) -> None:
+        size = self.size(name)
+        for off, _ in ranges:
+            if off > size:
+                raise TruncatedCheckpointError(f"{self.describe(name)}: offset {off} is beyond the end ({size} bytes)")
+
+    def read(self, name: str) -> bytes:
+        try:
+            return bytes(self.fs.cat_file(self._path(name)))
+        except Exception as exc:
+            raise translate_fsspec_error(exc, self.describe(name), "read") from exc
+
+    def size(self, name: str) -> int:
+        path = self._path(name)
+        try:
+            self.fs.invalidate_cache(path)
+            return int(self.fs.size(path))
+        except Exception as exc:
+            raise translate_fsspec_error(exc, self.describe(name), "size") from exc
+
+    def exists(self, name: str) -> bool:
+        path = self._path(name)
+        try:
+            self.fs.invalidate_cache(path)
+            return bool(self.fs.isfile(path))
+        except Exception as exc:
+            raise translate_fsspec_error(exc, self.describe(name), "exists") from exc
+
+    def list(self) -> list[str]:
+        try:
+            # Another process may have written since this fs cached the listing.
+            self.fs.invalidate_cache(self.root)
+            entries = self.fs.ls(self.root, detail=True)
+        except FileNotFoundError:
+            return []
+        except Exception as exc:
+            raise translate_fsspec_error(exc, self.url, "list") from exc
+        return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "file")
+
+    def delete(self, names: Iterable[str]) -> None:
+        names = list(names)
+        paths = [self._path(n) for n in names]
+        if not paths:
+            return
+        try:
+            self.fs.rm(paths)  # one batched request on object stores
+        except FileNotFoundError:
+            # Some implementations refuse the whole batch when one name is gone: delete one by one.
+            for name, path in zip(names, paths):
+                try:
+                    self.fs.rm_file(path)
+                except FileNotFoundError:
+                    pass
+                except Exception as exc:
+                    raise translate_fsspec_error(exc, self.describe(name), "delete") from exc
+        except Exception as exc:
+            raise translate_fsspec_error(exc, self.url, "delete") from exc
+        self.fs.invalidate_cache(self.root)
+
+
+__all__ = ["FsspecStorage", "translate_fsspec_error"]

@@ -1,0 +1,702 @@
+"""Native S3 backend (boto3) for ``s3://bucket/prefix`` URLs.
+
+Writes stream: :meth:`S3Storage.create` returns a stream that cuts what is written into parts and
+uploads them with a multipart upload while the caller keeps writing, from a bounded thread pool;
+``write`` blocks once ``max_inflight_parts`` parts of the stream are pending (back-pressure), so
+memory stays near ``(max_inflight_parts + 1) x part size`` whatever the object size. An object that
+fits in one part goes up as a single ``PutObject``. Every part and every PUT carries a checksum S3
+verifies before storing it (``x-amz-checksum-crc32c``, or ``Content-MD5``). The upload is completed
+only after every part succeeded; any failure, or :meth:`WriteStream.abort`, aborts it, so no
+partial object ever becomes visible.
+
+Part sizes: the final size of a stream is unknown while it is written, so the part size starts at
+``S3Config.part_size`` and doubles after every ``part_growth_every`` parts (capped at 5 GiB). With
+the defaults (16 MiB, every 1000 parts) objects up to 16 GB use 16 MiB parts and no object up to
+S3's 5 TiB limit needs more than 10,000 parts.
+
+Reads are ranged GETs: :meth:`S3Storage.read_ranges` merges ranges closer than ``coalesce_gap``,
+splits large spans into ``read_part_size`` pieces and fetches them concurrently.
+
+Retries: botocore retries each HTTP request (``retry_mode``/``max_attempts``: throttling, 5xx,
+dropped connections). nvdcp adds ``part_retries`` attempts around whole operations, because
+botocore cannot retry a GET whose body is cut mid-stream, and gives up on a part after its attempts.
+
+Errors from botocore are translated in :func:`translate_error` only, into :mod:`nvdcp.errors`
+classes whose messages name the ``s3://`` URL and never contain credentials.
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures as cf
+import errno
+import hashlib
+import logging
+import os
+import random
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
+
+import crc32c
+
+from nvdcp.errors import (
+    BucketNotFoundError,
+    CorruptCheckpointError,
+    MissingDataFileError,
+    NvdcpError,
+    S3AccessDeniedError,
+    StorageCredentialsError,
+    StorageError,
+    StorageUnavailableError,
+    TruncatedCheckpointError,
+)
+from nvdcp.storage.base import Buffer, Storage, WriteStream, check_name
+from nvdcp.storage.s3_config import S3_MAX_DELETE_KEYS, S3_MAX_PART_SIZE, S3_MAX_PARTS, S3Config
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
+
+_CREDENTIAL_CODES = frozenset({
+    "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "ExpiredTokenException",
+    "InvalidToken", "TokenRefreshRequired", "InvalidClientTokenId", "UnrecognizedClientException",
+    "AuthorizationHeaderMalformed", "MissingSecurityHeader", "RequestExpired",
+})
+_DENIED_CODES = frozenset({"AccessDenied", "AllAccessDisabled", "AccountProblem", "Forbidden"})
+_MISSING_CODES = frozenset({"NoSuchKey", "NotFound", "404"})
+_TRANSIENT_CODES = frozenset({
+    "SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
+    "InternalError", "ServiceUnavailable", "503", "500", "502", "504", "RequestLimitExceeded",
+    # The body arrived damaged: sending the same bytes again is the cure.
+    "BadDigest", "XAmzContentChecksumMismatch", "IncompleteBody",
+})
+
+
+def parse_s3_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/some/prefix`` -> ``("bucket", "some/prefix")``, validating the bucket name."""
+    if not isinstance(url, str) or not url.startswith("s3://"):
+        raise ValueError(f"not an s3:// URL: {url!r}")
+    rest = url[len("s3://") :]
+    bucket, _, prefix = rest.partition("/")
+    if "@" in bucket or ":" in bucket:
+        # Do not echo the URL: it may embed a secret.
+        raise ValueError("credentials or ports in s3:// URLs are not supported; use the AWS credential chain")
+    if not _BUCKET.match(bucket) or ".." in bucket:
+        raise ValueError(f"{url!r}: {bucket!r} is not a valid S3 bucket name")
+    prefix = prefix.strip("/")
+    if "//" in prefix:
+        raise ValueError(f"{url!r}: empty path segment in the key prefix")
+    return bucket, prefix
+
+
+def _client_error_fields(exc: BaseException) -> tuple[str, int | None, str]:
+    response = getattr(exc, "response", None) or {}
+    err = response.get("Error") or {}
+    status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+    return str(err.get("Code") or ""), status, str(err.get("Message") or "")
+
+
+def _scrub(text: str, secrets: Iterable[str]) -> str:
+    for secret in secrets:
+        if secret and len(secret) >= 4:
+            text = text.replace(secret, "***")
+    return text
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """Whether another attempt of the same idempotent request may succeed."""
+    from botocore import exceptions as bex
+    from urllib3 import exceptions as u3
+
+    if isinstance(exc, bex.ClientError):
+        code, status, _ = _client_error_fields(exc)
+        return code in _TRANSIENT_CODES or status in (500, 502, 503, 504)
+    return isinstance(
+        exc,
+        (bex.ConnectionError, bex.HTTPClientError, bex.ResponseStreamingError, bex.IncompleteReadError,
+         u3.HTTPError, ConnectionError, TimeoutError),
+    )
+
+
+def translate_error(exc: BaseException, where: str, op: str, secrets: Iterable[str] = ()) -> NvdcpError:
+    """The one place botocore/urllib3 errors become :mod:`nvdcp.errors` classes.
+
+    ``where`` is the ``s3://`` URL of the bucket or object, ``op`` the S3 operation. Messages keep the
+    service's error code and text (which never hold secrets) and are scrubbed of ``secrets`` anyway.
+    """
+    from botocore import exceptions as bex
+
+    if isinstance(exc, NvdcpError):
+        return exc
+    err: NvdcpError
+    if isinstance(exc, bex.ClientError):
+        code, status, detail = _client_error_fields(exc)
+        why = f"{code or status}: {detail}" if detail else (code or str(status))
+        if code == "NoSuchBucket" or (op == "HeadBucket" and status == 404):
+            err = BucketNotFoundError(errno.ENOENT, f"{where}: bucket does not exist ({why})")
+        elif code in _CREDENTIAL_CODES:
+            err = StorageCredentialsError(
+                errno.EACCES, f"{where}: {op} refused: invalid or expired credentials ({why})"
+            )
+        elif code in _DENIED_CODES or status == 403:
+            err = S3AccessDeniedError(errno.EACCES, f"{where}: {op}: access denied ({why})")
+        elif code in _MISSING_CODES or status == 404:
+            err = MissingDataFileError(f"{where}: object does not exist ({why})")
+        elif code == "InvalidRange" or status == 416:
+            err = TruncatedCheckpointError(f"{where}: {op}: requested range lies beyond the end of the object ({why})")
+        elif code in _TRANSIENT_CODES or (status or 0) >= 500:
+            err = StorageUnavailableError(errno.EIO, f"{where}: {op} still failing after retries ({why})")
+        else:
+            err = StorageError(errno.EIO, f"{where}: {op} failed ({why})")
+    elif isinstance(exc, (bex.NoCredentialsError, bex.PartialCredentialsError, bex.CredentialRetrievalError)):
+        err = StorageCredentialsError(errno.EACCES, f"{where}: {op}: no usable AWS credentials ({type(exc).__name__})")
+    elif isinstance(exc, bex.ParamValidationError):
+        err = StorageError(errno.EINVAL, f"{where}: {op}: invalid request: {exc}")
+    elif is_retryable(exc):
+        err = StorageUnavailableError(
+            errno.EIO, f"{where}: {op}: endpoint unreachable or connection dropped after retries ({type(exc).__name__}: {exc})"
+        )
+    else:
+        err = StorageError(errno.EIO, f"{where}: {op} failed ({type(exc).__name__}: {exc})")
+    err.args = tuple(_scrub(a, secrets) if isinstance(a, str) else a for a in err.args)
+    if isinstance(err, OSError) and err.strerror:
+        err.strerror = _scrub(err.strerror, secrets)
+    return err
+
+
+def _crc32c_b64(data: Buffer) -> str:
+    return base64.b64encode(crc32c.crc32c(data).to_bytes(4, "big")).decode("ascii")
+
+
+def _md5_b64(data: Buffer) -> str:
+    return base64.b64encode(hashlib.md5(data, usedforsecurity=False).digest()).decode("ascii")
+
+
+def coalesce(ranges: Sequence[tuple[int, int]], gap: int) -> list[tuple[int, int, list[int]]]:
+    """Merge ranges (offset, length) closer than ``gap`` into spans ``(start, end, member indices)``.
+
+    Written here rather than using fsspec's ``merge_offset_ranges`` because callers need to know which
+    input ranges each span serves, and fsspec is optional for this backend. Empty ranges join no span.
+    """
+    spans: list[tuple[int, int, list[int]]] = []
+    for i in sorted((i for i, (_, n) in enumerate(ranges) if n > 0), key=lambda i: ranges[i][0]):
+        off, n = ranges[i]
+        if spans and off - spans[-1][1] <= gap:
+            start, end, members = spans[-1]
+            members.append(i)
+            spans[-1] = (start, max(end, off + n), members)
+        else:
+            spans.append((off, off + n, [i]))
+    return spans
+
+
+class S3Storage(Storage):
+    """A checkpoint under ``s3://bucket/prefix``, written and read with boto3.
+
+    Args:
+        url: ``s3://bucket`` or ``s3://bucket/key/prefix``.
+        config: an :class:`S3Config`; ``**options`` (its field names) override single fields.
+
+    The bucket must exist (:meth:`prepare` checks it; nvdcp never creates buckets). Instances can
+    be pickled (for DCP's process-based async save); clients and threads are rebuilt per process.
+    """
+
+    def __init__(self, url: str, config: S3Config | None = None, **options: Any) -> None:
+        if config is not None and not isinstance(config, S3Config):
+            raise TypeError(f"config must be an S3Config, got {type(config).__name__}")
+        self.config = S3Config.from_options(options, config) if options else (config or S3Config())
+        self.bucket, self.prefix = parse_s3_url(url)
+        self.url = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+        self._init_runtime()
+
+    def _init_runtime(self) -> None:
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        self._client: Any = None
+        self._session: Any = None
+        self._pool: cf.ThreadPoolExecutor | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"config": self.config, "bucket": self.bucket, "prefix": self.prefix, "url": self.url}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_runtime()
+
+    def __repr__(self) -> str:
+        return f"S3Storage({self.url!r})"
+
+    # -- runtime: one client and one pool per process ------------------------------------------
+    def _fork_check(self) -> None:
+        # boto3 clients and thread pools do not survive fork(); rebuild them in a child.
+        if self._pid != os.getpid():
+            self._init_runtime()
+
+    @property
+    def client(self) -> Any:
+        """The boto3 S3 client (thread-safe), created on first use."""
+        self._fork_check()
+        if self._client is None:
+            with self._lock:
+                if self._client is None:
+                    self._client = self._make_client()
+        return self._client
+
+    def _make_client(self) -> Any:
+        try:
+            import boto3
+            from botocore.config import Config
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise ImportError("the S3 backend needs boto3: pip install 'nvdcp[s3]'") from exc
+        cfg = self.config
+        botocore_cfg = Config(
+            retries={"mode": cfg.retry_mode, "max_attempts": cfg.max_attempts},
+            connect_timeout=cfg.connect_timeout_s,
+            read_timeout=cfg.read_timeout_s,
+            # Every pool thread plus the callers' own threads may hold a connection.
+            max_pool_connections=max(10, cfg.max_concurrency + 8),
+            s3={"addressing_style": cfg.addressing_style},
+            # nvdcp computes and sends its own checksums (below); no extra aws-chunked encoding.
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+            user_agent_extra="nvdcp",
+        )
+        if cfg.botocore_config is not None:
+            botocore_cfg = botocore_cfg.merge(cfg.botocore_config)
+        self._session = boto3.session.Session(
+            aws_access_key_id=cfg.aws_access_key_id,
+            aws_secret_access_key=cfg.aws_secret_access_key,
+            aws_session_token=cfg.aws_session_token,
+            region_name=cfg.region,
+            profile_name=cfg.profile,
+        )
+        client = self._session.client("s3", endpoint_url=cfg.endpoint_url, config=botocore_cfg)
+        logger.debug("S3 client for %s at %s", self.url, client.meta.endpoint_url)
+        return client
+
+    @property
+    def pool(self) -> cf.ThreadPoolExecutor:
+        """Threads for part uploads and ranged GETs, shared by every stream of this storage."""
+        self._fork_check()
+        if self._pool is None:
+            with self._lock:
+                if self._pool is None:
+                    self._pool = cf.ThreadPoolExecutor(self.config.max_concurrency, thread_name_prefix="nvdcp-s3")
+        return self._pool
+
+    def close(self) -> None:
+        """Stop the thread pool (it is recreated if the storage is used again)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def _secrets(self) -> list[str]:
+        """Values that must never appear in messages: explicit, environment and resolved secrets."""
+        found = [self.config.aws_secret_access_key, self.config.aws_session_token]
+        found += [os.environ.get("AWS_SECRET_ACCESS_KEY"), os.environ.get("AWS_SESSION_TOKEN")]
+        creds = self._session.get_credentials() if self._session is not None else None
+        if creds is not None:
+            frozen = creds.get_frozen_credentials()
+            found += [frozen.secret_key, frozen.token]
+        return [s for s in found if s]
+
+    # -- requests ------------------------------------------------------------------------------
+    def key(self, name: str) -> str:
+        """The S3 key of object ``name``."""
+        check_name(name, self.url)
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def call(self, op: str, where: str, fn: Callable[[], T]) -> T:
+        """Run ``fn`` (one idempotent S3 operation) with nvdcp's retries; raise translated errors."""
+        retries = self.config.part_retries
+        for attempt in range(retries + 1):
+            try:
+                return fn()
+            except Exception as exc:
+                if attempt < retries and is_retryable(exc):
+                    delay = random.uniform(0, min(self.config.retry_backoff_max_s, self.config.retry_backoff_s * 2**attempt))
+                    logger.warning(
+                        "%s: %s failed (%s), attempt %d of %d, retrying in %.2fs",
+                        where, op, type(exc).__name__, attempt + 1, retries + 1, delay,
+                    )
+                    time.sleep(delay)
+                    continue
+                raise translate_error(exc, where, op, self._secrets()) from exc
+        raise AssertionError("unreachable")
+
+    def _checksum_args(self, data: Buffer) -> dict[str, str]:
+        if self.config.checksum == "MD5":
+            return {"ContentMD5": _md5_b64(data)}
+        return {"ChecksumCRC32C": _crc32c_b64(data)}
+
+    def put(self, key: str, where: str, data: Buffer) -> None:
+        """One ``PutObject`` with a checksum S3 verifies."""
+        if len(data) > S3_MAX_PART_SIZE:
+            raise ValueError(f"{where}: {len(data)} bytes exceed S3's single PUT limit of 5 GiB")
+        checksum = self._checksum_args(data)
+        self.call(
+            "PutObject", where,
+            lambda: self.client.put_object(Bucket=self.bucket, Key=key, Body=data, **checksum),
+        )
+
+    # -- Storage -------------------------------------------------------------------------------
+    def prepare(self) -> None:
+        self.call("HeadBucket", self.url, lambda: self.client.head_bucket(Bucket=self.bucket))
+
+    def create(self, name: str) -> WriteStream:
+        return _S3WriteStream(self, self.key(name), self.describe(name))
+
+    def write_atomic(self, name: str, data: bytes) -> None:
+        # A PutObject replaces the object atomically: readers see the old or the new bytes.
+        self.put(self.key(name), self.describe(name), data)
+
+    def read_range(self, name: str, offset: int, length: int) -> Buffer:
+        return self.read_ranges(name, [(offset, length)])[0]
+
+    def read_ranges(self, name: str, ranges: Sequence[tuple[int, int]]) -> list[Buffer]:
+        key, where = self.key(name), self.describe(name)
+        for off, n in ranges:
+            if isinstance(off, bool) or isinstance(n, bool) or off < 0 or n < 0:
+                raise ValueError(f"{where}: invalid range offset={off!r} length={n!r}")
+        spans = coalesce(ranges, self.config.coalesce_gap)
+        if not spans:
+            self._check_empty_ranges(name, ranges)
+            return [memoryview(b"") for _ in ranges]
+        buffers = [bytearray(end - start) for start, end, _ in spans]
+        pieces = [
+            (start + p, memoryview(buf)[p : min(p + self.config.read_part_size, len(buf))])
+            for (start, _, _), buf in zip(spans, buffers)
+            for p in range(0, len(buf), self.config.read_part_size)
+        ]
+        if len(pieces) == 1:
+            self._get_exact(key, where, *pieces[0])
+        else:
+            for fut in [self.pool.submit(self._get_exact, key, where, off, view) for off, view in pieces]:
+                fut.result()
+        out: list[Buffer] = [memoryview(b"")] * len(ranges)
+        for (start, _, members), buf in zip(spans, buffers):
+            for i in members:
+                off, n = ranges[i]
+                out[i] = memoryview(buf)[off - start : off - start + n]
+        return out
+
+    def _check_empty_ranges(self, name: str, ranges: Sequence[tuple[int, int]]) -> None:
+        size = self.size(name)
+        for off, _ in ranges:
+            if off > size:
+                raise TruncatedCheckpointError(
+                    f"{self.describe(name)}: offset {off} is beyond the end of the object ({size} bytes)"
+                )
+
+    def _get_exact(self, key: str, where: str, offset: int, view: memoryview) -> None:
+        got = self.call("GetObject", where, lambda: self._get_into(key, where, offset, view))
+        if got < len(view):
+            raise TruncatedCheckpointError(
+                f"{where}: wanted {len(view)} bytes at offset {offset}, object ends after {offset + got}"
+            )
+
+    def _get_into(self, key: str, where: str, offset: int, view: memoryview) -> int:
+        resp = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={offset}-{offset + len(view) - 1}")
+        _check_content_range(resp.get("ContentRange"), offset, where)
+        body = resp["Body"]
+        got = 0
+        try:
+            while got < len(view):
+                n = body.readinto(view[got:])
+                if n == 0:
+                    break
+                got += n
+        finally:
+            body.close()
+        return got
+
+    def read(self, name: str) -> bytes:
+        key, where = self.key(name), self.describe(name)
+
+        def get() -> tuple[bytes, dict[str, Any]]:
+            resp = self.client.get_object(Bucket=self.bucket, Key=key, ChecksumMode="ENABLED")
+            return resp["Body"].read(), resp
+
+        data, resp = self.call("GetObject", where, get)
+        stored = resp.get("ChecksumCRC32C")
+        # A composite (multipart) checksum ends in "-<parts>" and covers part checksums, not the bytes.
+        if stored and "-" not in stored and resp.get("ChecksumType", "FULL_OBJECT") == "FULL_OBJECT":
+            if _crc32c_b64(data) != stored:
+                raise CorruptCheckpointError(f"{where}: CRC32C of the downloaded bytes does not match S3's record")
+        return data
+
+    def size(self, name: str) -> int:
+        key, where = self.key(name), self.describe(name)
+        head = self.call("HeadObject", where, lambda: self.client.head_object(Bucket=self.bucket, Key=key))
+        return int(head["ContentLength"])
+
+    def exists(self, name: str) -> bool:
+        try:
+            self.size(name)
+        except MissingDataFileError:
+            return False
+        return True
+
+    def list(self) -> list[str]:
+        lead = f"{self.prefix}/" if self.prefix else ""
+
+        def pages() -> list[str]:
+            paginator = self.client.get_paginator("list_objects_v2")
+            keys: list[str] = []
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=lead, Delimiter="/"):
+                keys += [obj["Key"][len(lead) :] for obj in page.get("Contents", [])]
+            return keys
+
+        return sorted(self.call("ListObjectsV2", self.url, pages))
+
+    def delete(self, names: Iterable[str]) -> None:
+        keys = [self.key(n) for n in names]
+        for i in range(0, len(keys), S3_MAX_DELETE_KEYS):
+            batch = keys[i : i + S3_MAX_DELETE_KEYS]
+            request = {"Objects": [{"Key": k} for k in batch], "Quiet": True}
+            resp = self.call(
+                "DeleteObjects", self.url, lambda r=request: self.client.delete_objects(Bucket=self.bucket, Delete=r)
+            )
+            self._raise_delete_errors(resp.get("Errors") or [])
+
+    def _raise_delete_errors(self, errors: list[dict[str, Any]]) -> None:
+        from botocore.exceptions import ClientError
+
+        # Keys already gone are fine (S3 does not even report them); anything else is not.
+        errors = [e for e in errors if e.get("Code") != "NoSuchKey"]
+        if errors:
+            first = errors[0]
+            fake = ClientError({"Error": {"Code": first.get("Code"), "Message": first.get("Message")}}, "DeleteObjects")
+            where = f"s3://{self.bucket}/{first.get('Key')}"
+            raise translate_error(fake, where, f"DeleteObjects ({len(errors)} keys failed)", self._secrets())
+
+    # -- housekeeping --------------------------------------------------------------------------
+    def incomplete_uploads(self) -> list[dict[str, Any]]:
+        """Multipart uploads under this prefix that were never completed nor aborted.
+
+        A writer killed mid-save leaves one per open data file; they are invisible to readers but
+        cost storage until aborted (:meth:`abort_incomplete_uploads`, or a bucket lifecycle rule
+        ``AbortIncompleteMultipartUpload``).
+        """
+        lead = f"{self.prefix}/" if self.prefix else ""
+
+        def pages() -> list[dict[str, Any]]:
+            paginator = self.client.get_paginator("list_multipart_uploads")
+            found: list[dict[str, Any]] = []
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=lead):
+                found += page.get("Uploads", [])
+            return found
+
+        return self.call("ListMultipartUploads", self.url, pages)
+
+    def abort_incomplete_uploads(self, older_than_s: float = 0.0) -> int:
+        """Abort incomplete multipart uploads started more than ``older_than_s`` ago; returns how many.
+
+        Only run this when no save to this prefix is in progress (it would abort that save's parts).
+        """
+        now = time.time()
+        count = 0
+        for up in self.incomplete_uploads():
+            if now - up["Initiated"].timestamp() < older_than_s:
+                continue
+            where = f"s3://{self.bucket}/{up['Key']}"
+            self.call(
+                "AbortMultipartUpload", where,
+                lambda u=up: self.client.abort_multipart_upload(Bucket=self.bucket, Key=u["Key"], UploadId=u["UploadId"]),
+            )
+            count += 1
+        return count
+
+
+def _check_content_range(content_range: str | None, offset: int, where: str) -> None:
+    """A ranged GET must answer from ``offset``; a server ignoring ``Range`` would hand back wrong bytes."""
+    if content_range is None:
+        if offset != 0:
+            raise StorageError(errno.EIO, f"{where}: server ignored the Range header (no Content-Range)")
+        return
+    match = re.match(r"bytes (\d+)-\d+/", content_range)
+    if match is None or int(match.group(1)) != offset:
+        raise StorageError(errno.EIO, f"{where}: Content-Range {content_range!r} does not start at {offset}")
+
+
+class _S3WriteStream(WriteStream):
+    """Streams one object: a PutObject if it fits in one part, else a concurrent multipart upload."""
+
+    def __init__(self, storage: S3Storage, key: str, where: str) -> None:
+        self._s = storage
+        self._key = key
+        self._where = where
+        self._cfg = storage.config
+        self._buf = bytearray(self._cfg.part_size)
+        self._fill = 0
+        self._pos = 0
+        self._upload_id: str | None = None
+        self._parts: list[cf.Future[dict[str, Any]]] = []
+        self._slots = threading.BoundedSemaphore(self._cfg.max_inflight_parts)
+        self._state = "open"
+
+    def write(self, data: Buffer) -> None:
+        self._check_open()
+        view = memoryview(data).cast("B")
+        while view:
+            if self._fill == len(self._buf):
+                # Flush a full part only when more bytes follow: an object of exactly one part
+                # still goes up as a single PutObject at commit.
+                self._flush_part()
+            n = min(len(view), len(self._buf) - self._fill)
+            self._buf[self._fill : self._fill + n] = view[:n]
+            self._fill += n
+            self._pos += n
+            view = view[n:]
+
+    def tell(self) -> int:
+        return self._pos
+
+    def commit(self) -> None:
+        self._check_open()
+        try:
+            if self._upload_id is None:
+                self._s.put(self._key, self._where, self._take_buffer())
+            else:
+                if self._fill:
+                    self._flush_part(final=True)
+                self._complete()
+        except BaseException:
+            self._abort_quietly()
+            raise
+        self._state = "committed"
+        logger.debug("committed %s (%d bytes, %d parts)", self._where, self._pos, len(self._parts) or 1)
+
+    def abort(self) -> None:
+        if self._state != "open":
+            return
+        self._state = "aborted"
+        self._buf = bytearray()
+        self._drain()
+        if self._upload_id is not None:
+            upload_id, self._upload_id = self._upload_id, None
+            self._s.call("AbortMultipartUpload", self._where, lambda: self._abort_upload(upload_id))
+
+    def _abort_upload(self, upload_id: str) -> None:
+        from botocore.exceptions import ClientError
+
+        try:
+            self._s.client.abort_multipart_upload(Bucket=self._s.bucket, Key=self._key, UploadId=upload_id)
+        except ClientError as exc:
+            # Already gone (an earlier attempt went through before its answer was lost): done.
+            if _client_error_fields(exc)[0] != "NoSuchUpload":
+                raise
+
+    # -- internals -----------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._state != "open":
+            raise ValueError(f"{self._where}: write stream is already {self._state}")
+
+    def _take_buffer(self) -> bytearray:
+        buf, self._buf = self._buf, bytearray()
+        del buf[self._fill :]  # shrinks in place, no copy
+        self._fill = 0
+        return buf
+
+    def _start_upload(self) -> None:
+        extra = {"ChecksumAlgorithm": "CRC32C"} if self._cfg.checksum == "CRC32C" else {}
+        resp = self._s.call(
+            "CreateMultipartUpload", self._where,
+            lambda: self._s.client.create_multipart_upload(Bucket=self._s.bucket, Key=self._key, **extra),
+        )
+        self._upload_id = resp["UploadId"]
+        logger.debug("multipart upload of %s started", self._where)
+
+    def _flush_part(self, final: bool = False) -> None:
+        if self._upload_id is None:
+            self._start_upload()
+        number = len(self._parts) + 1
+        if number > S3_MAX_PARTS:
+            raise StorageError(
+                errno.EFBIG, f"{self._where}: object exceeds {S3_MAX_PARTS} parts; raise S3Config.part_size "
+                f"or lower part_growth_every (this config reaches {self._cfg.max_object_size} bytes)"
+            )
+        self._raise_failed()
+        self._slots.acquire()  # back-pressure: wait while max_inflight_parts are pending
+        try:
+            self._raise_failed()
+            part = self._take_buffer()
+            fut = self._s.pool.submit(self._upload_part, number, part)
+        except BaseException:
+            self._slots.release()
+            raise
+        fut.add_done_callback(lambda _: self._slots.release())
+        self._parts.append(fut)
+        if not final:
+            self._buf = bytearray(self._cfg.part_size_for(number + 1))
+
+    def _raise_failed(self) -> None:
+        for fut in self._parts:
+            if fut.done() and fut.exception() is not None:
+                raise fut.exception()  # type: ignore[misc]
+
+    def _upload_part(self, number: int, data: bytearray) -> dict[str, Any]:
+        checksum = self._s._checksum_args(data)
+        resp = self._s.call(
+            f"UploadPart {number}", self._where,
+            lambda: self._s.client.upload_part(
+                Bucket=self._s.bucket, Key=self._key, UploadId=self._upload_id, PartNumber=number,
+                Body=data, **checksum,
+            ),
+        )
+        logger.debug("%s: part %d uploaded (%d bytes)", self._where, number, len(data))
+        record = {"PartNumber": number, "ETag": resp["ETag"]}
+        if "ChecksumCRC32C" in checksum:
+            record["ChecksumCRC32C"] = checksum["ChecksumCRC32C"]
+        return record
+
+    def _complete(self) -> None:
+        parts = [fut.result() for fut in self._parts]  # raises the first part's failure
+        upload_id = self._upload_id
+
+        def complete() -> None:
+            from botocore.exceptions import ClientError
+
+            try:
+                self._s.client.complete_multipart_upload(
+                    Bucket=self._s.bucket, Key=self._key, UploadId=upload_id, MultipartUpload={"Parts": parts},
+                )
+            except ClientError as exc:
+                # A retry after a lost answer finds the upload already completed: check the object.
+                if _client_error_fields(exc)[0] != "NoSuchUpload" or not self._landed():
+                    raise
+
+        self._s.call("CompleteMultipartUpload", self._where, complete)
+        self._upload_id = None
+
+    def _landed(self) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:
+            head = self._s.client.head_object(Bucket=self._s.bucket, Key=self._key)
+        except ClientError:
+            return False
+        return int(head["ContentLength"]) == self._pos
+
+    def _drain(self) -> None:
+        for fut in self._parts:
+            fut.cancel()
+        cf.wait(self._parts)
+
+    def _abort_quietly(self) -> None:
+        """Abort after a failure without hiding that failure behind a second one."""
+        try:
+            self.abort()
+        except Exception as exc:  # the original error is the one to raise; this one is logged
+            logger.warning(
+                "%s: could not abort the multipart upload after a failure (%s); a bucket lifecycle rule "
+                "AbortIncompleteMultipartUpload or S3Storage.abort_incomplete_uploads() removes it", self._where, exc,
+            )
+
+
+__all__ = ["S3Storage", "S3Config", "parse_s3_url", "translate_error", "coalesce", "is_retryable"]
