@@ -46,10 +46,14 @@ def checksum(data: bytes | bytearray | memoryview, value: int = 0) -> int:
 class ItemHeader:
     """The record in front of every stored item.
 
-    ``plane_codecs[p]`` compresses plane ``p``; planes are the element bytes split by position
-    (``transform == TRANSFORM_BYTEPLANES``) or the whole item as one plane. ``chunks`` lists
-    ``(stored_bytes, crc32c)`` for every chunk, plane-major. A chunk whose stored size equals its
-    uncompressed size is stored raw (compression never pays for it to be that large).
+    The item's elements are cut into *blocks* of ``chunk_bytes`` elements (``chunk_bytes`` bytes
+    when there is no transform). Each block yields one chunk per plane: plane ``p`` holds byte
+    ``p`` of every element of the block (``TRANSFORM_BYTEPLANES``), or the block's bytes as they
+    are (one plane, ``TRANSFORM_NONE``). ``plane_codecs[p]`` compresses plane ``p``. ``chunks``
+    lists ``(stored_bytes, crc32c)`` for every chunk, block-major: chunk ``i`` is plane
+    ``i % n_planes`` of block ``i // n_planes``, so any block range can be encoded, streamed and
+    decoded on its own. A chunk whose stored size equals its uncompressed size is stored raw
+    (compression never pays for it to be that large).
     """
 
     kind: int
@@ -68,16 +72,20 @@ class ItemHeader:
         return self.raw_nbytes // len(self.plane_codecs)
 
     @property
-    def chunks_per_plane(self) -> int:
+    def n_planes(self) -> int:
+        return len(self.plane_codecs)
+
+    @property
+    def n_blocks(self) -> int:
         return -(-self.plane_nbytes // self.chunk_bytes)
 
     @property
     def stored_nbytes(self) -> int:
         return sum(size for size, _ in self.chunks)
 
-    def chunk_raw_size(self, index_in_plane: int) -> int:
-        start = index_in_plane * self.chunk_bytes
-        return min(self.chunk_bytes, self.plane_nbytes - start)
+    def block_elements(self, block: int) -> int:
+        """Elements in ``block`` (bytes per plane chunk of that block)."""
+        return min(self.chunk_bytes, self.plane_nbytes - block * self.chunk_bytes)
 
     def pack(self) -> bytes:
         n_planes = len(self.plane_codecs)

@@ -40,24 +40,26 @@ class EncodedItem:
         return len(self.header_bytes) + self.header.stored_nbytes
 
 
-def _chunk_views(plane: memoryview, chunk_bytes: int) -> list[memoryview]:
-    return [plane[i : i + chunk_bytes] for i in range(0, len(plane), chunk_bytes)]
+def block_chunks(planes: np.ndarray, chunk_bytes: int) -> list[memoryview]:
+    """Chunks of a ``(n_planes, n)`` plane array in stored (block-major) order."""
+    n_planes, n = planes.shape
+    views = [memoryview(plane) for plane in planes]
+    return [views[p][b : b + chunk_bytes] for b in range(0, n, chunk_bytes) for p in range(n_planes)]
 
 
-def _encode_group(codec_name_: str, chunks: Sequence[memoryview]) -> list[tuple[bytes | memoryview, int]]:
-    codec = cpu_codec(codec_name_)
+def _encode_group(jobs: Sequence[tuple[str, memoryview]]) -> list[tuple[bytes | memoryview, int]]:
     out: list[tuple[bytes | memoryview, int]] = []
-    for chunk in chunks:
-        stored: bytes | memoryview = codec.encode(chunk) if codec_name_ != "none" else chunk
+    for name, chunk in jobs:
+        stored: bytes | memoryview = cpu_codec(name).encode(chunk) if name != "none" else chunk
         if len(stored) >= len(chunk):
             stored = chunk  # compression did not pay: keep the raw bytes (see ItemHeader)
         out.append((stored, checksum(stored)))
     return out
 
 
-def _groups(chunks: list[memoryview], chunk_bytes: int) -> list[list[memoryview]]:
+def _groups(jobs: list[tuple[str, memoryview]], chunk_bytes: int) -> list[list[tuple[str, memoryview]]]:
     per = max(1, _GROUP_BYTES // chunk_bytes)
-    return [chunks[i : i + per] for i in range(0, len(chunks), per)]
+    return [jobs[i : i + per] for i in range(0, len(jobs), per)]
 
 
 def encode_item(
@@ -76,16 +78,16 @@ def encode_item(
         planes = byteplanes.split(raw, element_size)
     else:
         planes = raw.reshape(1, -1)
-    jobs = []
-    for plane, name in zip(planes, layout.plane_codecs, strict=True):
+    for name in layout.plane_codecs:
         if name in GPU_ONLY:
             raise CodecUnavailableError(f"codec {name!r} can only encode on a GPU")
-        for group in _groups(_chunk_views(memoryview(plane), chunk_bytes), chunk_bytes):
-            jobs.append((name, group))
-    if pool is None or len(jobs) < 2:
-        results = [_encode_group(n, g) for n, g in jobs]
+    names = layout.plane_codecs
+    chunks = block_chunks(planes, chunk_bytes)
+    groups = _groups([(names[i % len(names)], c) for i, c in enumerate(chunks)], chunk_bytes)
+    if pool is None or len(groups) < 2:
+        results = [_encode_group(g) for g in groups]
     else:
-        results = list(pool.map(lambda job: _encode_group(*job), jobs))
+        results = list(pool.map(_encode_group, groups))
     stored = [pair for group in results for pair in group]
     header = ItemHeader(
         kind=kind,
@@ -101,25 +103,26 @@ def encode_item(
 
 
 def _decode_group(
-    header: ItemHeader, payload: memoryview, out: memoryview, where: str,
+    header: ItemHeader, payload: memoryview, staging: memoryview, where: str,
     start: int, stop: int, offsets: list[int],
 ) -> None:
-    per_plane = header.chunks_per_plane
+    """Verify and decode chunks ``start:stop`` into ``staging`` (block-major, plane-major within)."""
+    n_planes = header.n_planes
     for i in range(start, stop):
-        plane, k = divmod(i, per_plane)
+        block, plane = divmod(i, n_planes)
         size, crc = header.chunks[i]
         data = payload[offsets[i] : offsets[i] + size]
         if checksum(data) != crc:
-            raise CorruptCheckpointError(f"{where}: chunk {i} (plane {plane}) checksum mismatch")
-        raw_size = header.chunk_raw_size(k)
-        dst_start = plane * header.plane_nbytes + k * header.chunk_bytes
-        dst = out[dst_start : dst_start + raw_size]
+            raise CorruptCheckpointError(f"{where}: chunk {i} (block {block}, plane {plane}) checksum mismatch")
+        raw_size = header.block_elements(block)
+        dst_start = (block * header.chunk_bytes * n_planes) + plane * raw_size
+        dst = staging[dst_start : dst_start + raw_size]
         if size == raw_size:
             dst[:] = data
             continue
         if size > raw_size:
             raise CorruptCheckpointError(
-                f"{where}: chunk {i} (plane {plane}) stores {size} bytes for {raw_size} raw"
+                f"{where}: chunk {i} (block {block}, plane {plane}) stores {size} bytes for {raw_size} raw"
             )
         name = codec_name(header.plane_codecs[plane])
         try:
@@ -128,7 +131,7 @@ def _decode_group(
             raise CodecUnavailableError(f"{where}: {exc}") from None
         except ValueError as exc:
             raise CorruptCheckpointError(
-                f"{where}: chunk {i} (plane {plane}, codec {name}) does not decode: {exc}"
+                f"{where}: chunk {i} (block {block}, plane {plane}, codec {name}) does not decode: {exc}"
             ) from exc
 
 
@@ -139,8 +142,8 @@ def verify_chunks(record: memoryview, where: str) -> ItemHeader:
     pos = 0
     for i, (size, crc) in enumerate(header.chunks):
         if checksum(payload[pos : pos + size]) != crc:
-            plane = i // header.chunks_per_plane
-            raise CorruptCheckpointError(f"{where}: chunk {i} (plane {plane}) checksum mismatch")
+            block, plane = divmod(i, header.n_planes)
+            raise CorruptCheckpointError(f"{where}: chunk {i} (block {block}, plane {plane}) checksum mismatch")
         pos += size
     return header
 
@@ -183,6 +186,9 @@ def decode_item(
             f.result()
     if header.transform == TRANSFORM_BYTEPLANES:
         merged = np.empty_like(buf)
-        byteplanes.merge(buf, n_planes, merged)
+        block_bytes = header.chunk_bytes * n_planes
+        for start in range(0, header.raw_nbytes, block_bytes):
+            stop = min(start + block_bytes, header.raw_nbytes)
+            byteplanes.merge(buf[start:stop], n_planes, merged[start:stop])
         buf = merged
     return header, buf

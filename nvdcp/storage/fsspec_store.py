@@ -50,6 +50,9 @@ def translate_fsspec_error(exc: BaseException, where: str, op: str) -> NvdcpErro
     text = f"{where}: {op}: {type(exc).__name__}: {exc}"
     if isinstance(exc, FileNotFoundError):
         return MissingDataFileError(f"{where}: object does not exist")
+    if isinstance(exc, OSError) and exc.errno == errno.EINVAL and "range" in str(exc).lower():
+        # s3fs reports S3's InvalidRange (a read starting past the end) as EINVAL.
+        return TruncatedCheckpointError(f"{where}: {op}: requested range lies beyond the end of the object")
     if isinstance(exc, PermissionError):
         return AccessDeniedError(errno.EACCES, f"{text} (access denied or invalid credentials)")
     return StorageError(getattr(exc, "errno", None) or errno.EIO, text)
@@ -92,11 +95,16 @@ class _FsspecWriteStream(WriteStream):
         self._forget()
 
     def abort(self) -> None:
+        from fsspec.spec import AbstractBufferedFile
+
         if self._done:
             return
         self._done = True
         try:
             self._file.discard()
+            if isinstance(self._file, AbstractBufferedFile):
+                # Mark it closed, or its __del__ would flush (upload) the discarded buffer.
+                self._file.closed = True
             if _visible_while_writing(self._file):
                 self._store.fs.rm_file(self._path)
         except FileNotFoundError:

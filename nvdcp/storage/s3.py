@@ -144,7 +144,9 @@ def translate_error(exc: BaseException, where: str, op: str, secrets: Iterable[s
                 errno.EACCES, f"{where}: {op} refused: invalid or expired credentials ({why})"
             )
         elif code in _DENIED_CODES or status == 403:
-            err = S3AccessDeniedError(errno.EACCES, f"{where}: {op}: access denied ({why})")
+            # HEAD answers carry no body, so a 403 there may also mean rejected credentials.
+            hint = " or invalid credentials" if op.startswith("Head") and not detail else ""
+            err = S3AccessDeniedError(errno.EACCES, f"{where}: {op}: access denied{hint} ({why})")
         elif code in _MISSING_CODES or status == 404:
             err = MissingDataFileError(f"{where}: object does not exist ({why})")
         elif code == "InvalidRange" or status == 416:

@@ -1,0 +1,12 @@
+"""Fixtures for the storage tests: the S3 backends run against a moto server on loopback.
+
+The server, its fault-injecting proxy and the fixtures live in tests/s3/s3_testkit.py, shared with
+the S3 checkpoint tests; importing it first sets ``S3_UPLOAD_PART_MIN_SIZE`` before moto is imported.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "s3"))
+
+from s3_testkit import moto_s3, s3env  # noqa: E402,F401
