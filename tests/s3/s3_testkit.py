@@ -153,6 +153,9 @@ class FaultProxy:
         self.requests: collections.Counter[str] = collections.Counter()
         self.faults: collections.Counter[str] = collections.Counter()
         self.bytes_up = 0
+        self.part_sizes: list[int] = []  # body sizes of UploadPart requests, in arrival order
+        self.inflight = 0
+        self.max_inflight = 0  # most UploadPart requests open at once
         self._matched = 0
         self._started = time.monotonic()
         self._lock = threading.Lock()
@@ -179,6 +182,8 @@ class FaultProxy:
         with self._lock:
             self.requests[method] += 1
             self.bytes_up += nbytes
+            if is_upload_part(method, path):
+                self.part_sizes.append(nbytes)
             if plan.match is not None and not plan.match(method, path):
                 return None
             self._matched += 1
@@ -193,6 +198,17 @@ class FaultProxy:
                 kind = "reset"
             self.faults[kind] += 1
             return kind
+
+
+    def track(self, delta: int) -> None:
+        with self._lock:
+            self.inflight += delta
+            self.max_inflight = max(self.max_inflight, self.inflight)
+
+
+def is_upload_part(method: str, path: str) -> bool:
+    """Whether a request is an UploadPart (PUT with partNumber and uploadId)."""
+    return method == "PUT" and "partNumber=" in path and "uploadId=" in path
 
 
 class _ProxyHandler(BaseHTTPRequestHandler):
@@ -222,6 +238,16 @@ class _ProxyHandler(BaseHTTPRequestHandler):
 
     def _proxy(self) -> None:
         proxy: FaultProxy = self.server.proxy  # type: ignore[attr-defined]
+        part = is_upload_part(self.command, self.path)
+        if part:
+            proxy.track(+1)
+        try:
+            self._serve(proxy)
+        finally:
+            if part:
+                proxy.track(-1)
+
+    def _serve(self, proxy: FaultProxy) -> None:
         body = self._read_body()
         fault = proxy.decide(self.command, self.path, len(body))
         if proxy.plan.delay_s:

@@ -1,0 +1,302 @@
+"""The native boto3 backend beyond the shared conformance suite: config, multipart strategy,
+back-pressure, retries through a fault-injecting proxy, abort, and error translation."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import traceback
+
+import boto3
+import numpy as np
+import pytest
+from botocore.exceptions import ClientError
+from s3_testkit import FAKE_SECRET, TEST_MIN_PART, FaultPlan, FaultProxy, S3Env, is_upload_part, moto_min_part_size
+
+from nvdcp.errors import (
+    BucketNotFoundError,
+    MissingDataFileError,
+    S3AccessDeniedError,
+    StorageCredentialsError,
+    StorageUnavailableError,
+)
+from nvdcp.storage import open_storage
+from nvdcp.storage.s3 import S3Storage, coalesce, parse_s3_url, translate_error
+from nvdcp.storage.s3_config import S3_MAX_OBJECT_SIZE, S3_MAX_PART_SIZE, S3Config
+
+pytestmark = pytest.mark.s3
+
+P = TEST_MIN_PART
+FAST = dict(part_size=P, min_part_size=P, retry_backoff_s=0.01, retry_backoff_max_s=0.05)
+
+
+@pytest.fixture(autouse=True)
+def _small_parts_need_lowered_moto() -> None:
+    if moto_min_part_size() > P:
+        pytest.skip("moto was imported before S3_UPLOAD_PART_MIN_SIZE was set")
+
+
+def _data(n: int, seed: int = 1) -> bytes:
+    return np.random.default_rng(seed).bytes(n)
+
+
+def _stream(store: S3Storage, name: str, data: bytes, piece: int = 10_000) -> None:
+    s = store.create(name)
+    for i in range(0, len(data), piece):
+        s.write(data[i : i + piece])
+    s.commit()
+
+
+# -- config and URLs (no server) ---------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"part_size": 1024}, "part_size"),
+        ({"part_size": S3_MAX_PART_SIZE + 1}, "part_size"),
+        ({"min_part_size": 6 << 20}, "min_part_size"),
+        ({"part_growth_every": 0}, "part_growth_every"),
+        ({"max_inflight_parts": 0}, "max_inflight_parts"),
+        ({"checksum": "SHA1"}, "checksum"),
+        ({"retry_mode": "forever"}, "retry_mode"),
+        ({"endpoint_url": "localhost:9000"}, "endpoint_url"),
+        ({"max_attempts": 0}, "max_attempts"),
+        ({"read_timeout_s": 0}, "read_timeout_s"),
+        ({"aws_access_key_id": "AKIA0000"}, "together"),
+        ({"botocore_config": {"retries": 3}}, "botocore_config"),
+    ],
+)
+def test_config_rejects_bad_values(kwargs: dict, match: str) -> None:
+    with pytest.raises((ValueError, TypeError), match=match):
+        S3Config(**kwargs)
+
+
+def test_config_defaults_reach_s3_object_limit_and_hide_secrets() -> None:
+    cfg = S3Config(aws_access_key_id="AKIA0000", aws_secret_access_key=FAKE_SECRET)
+    assert cfg.max_object_size == S3_MAX_OBJECT_SIZE
+    assert [cfg.part_size_for(n) for n in (1, 1000, 1001, 2001)] == [16 << 20, 16 << 20, 32 << 20, 64 << 20]
+    assert cfg.part_size_for(10_000) == S3_MAX_PART_SIZE
+    assert FAKE_SECRET not in repr(cfg) and "AKIA0000" not in repr(cfg)
+    with pytest.raises(ValueError, match="unknown S3 storage option"):
+        open_storage("s3://bucket/x", part_sise=5 << 20)
+
+
+@pytest.mark.parametrize("url", ["s3://A_Bad/x", "s3://ab", "s3://bucket..x/y", "gs://bucket", "s3://b/a//b"])
+def test_bad_urls(url: str) -> None:
+    with pytest.raises(ValueError):
+        parse_s3_url(url)
+
+
+def test_url_with_credentials_is_refused_without_echo() -> None:
+    with pytest.raises(ValueError) as info:
+        parse_s3_url(f"s3://AKIA:{FAKE_SECRET}@bucket/x")
+    assert FAKE_SECRET not in str(info.value)
+
+
+def test_coalesce_merges_near_ranges_only() -> None:
+    spans = coalesce([(100, 10), (0, 10), (15, 5), (5000, 1), (50, 0)], gap=10)
+    assert spans == [(0, 20, [1, 2]), (100, 110, [0]), (5000, 5001, [3])]
+
+
+def test_expired_token_maps_to_credentials_error() -> None:
+    exc = ClientError({"Error": {"Code": "ExpiredToken", "Message": "The provided token has expired."}}, "GetObject")
+    err = translate_error(exc, "s3://b/p/x", "GetObject", secrets=[FAKE_SECRET])
+    assert isinstance(err, StorageCredentialsError) and isinstance(err, PermissionError)
+    assert "s3://b/p/x" in str(err) and "expired" in str(err)
+
+
+# -- against moto --------------------------------------------------------------------------------
+def test_endpoint_from_environment_and_override(s3env: S3Env) -> None:
+    assert os.environ["AWS_ENDPOINT_URL"] == s3env.endpoint
+    store = S3Storage(s3env.url("env"))
+    assert store.client.meta.endpoint_url == s3env.endpoint
+    store.write_atomic("a", b"1")
+    with FaultProxy(s3env.endpoint) as proxy:
+        via = S3Storage(s3env.url("env"), endpoint_url=proxy.endpoint)
+        assert bytes(via.read("a")) == b"1"
+        assert proxy.requests["GET"] == 1
+
+
+def test_many_parts_with_growing_part_size(s3env: S3Env) -> None:
+    data = _data(20 * P + 321)
+    with FaultProxy(s3env.endpoint) as proxy:
+        store = S3Storage(s3env.url("many"), endpoint_url=proxy.endpoint, part_growth_every=4, **FAST)
+        _stream(store, "big", data)
+    # The part size doubles every 4 parts: 4 x P, 4 x 2P, 2 x 4P, and the 321-byte rest.
+    assert sorted(proxy.part_sizes) == sorted([P] * 4 + [2 * P] * 4 + [4 * P] * 2 + [321])
+    assert bytes(store.read("big")) == data
+    etag = s3env.client.head_object(Bucket=s3env.bucket, Key="many/big")["ETag"]
+    assert etag.strip('"').endswith("-11")
+
+
+def test_exactly_one_part_is_a_single_put(s3env: S3Env) -> None:
+    with FaultProxy(s3env.endpoint) as proxy:
+        store = S3Storage(s3env.url("one"), endpoint_url=proxy.endpoint, **FAST)
+        _stream(store, "f", _data(P))
+        assert proxy.part_sizes == [] and proxy.requests["PUT"] == 1
+
+
+def test_back_pressure_bounds_inflight_parts(s3env: S3Env) -> None:
+    part = 64 * 1024
+    data = _data(32 * part)
+    with FaultProxy(s3env.endpoint, FaultPlan(delay_s=0.01)) as proxy:
+        store = S3Storage(
+            s3env.url("bp"), endpoint_url=proxy.endpoint, part_size=part, min_part_size=P,
+            max_inflight_parts=2, max_concurrency=8,
+        )
+        _stream(store, "f", data, piece=part // 4)
+        assert proxy.max_inflight <= 2 and len(proxy.part_sizes) == 32
+    assert bytes(store.read("f")) == data
+
+
+_MEMORY_PROBE = """
+import json, os, sys, threading, time
+from nvdcp.storage.s3 import S3Storage
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+part, total = int(sys.argv[1]), int(sys.argv[2])
+store = S3Storage(sys.argv[3], part_size=part, min_part_size=part, max_inflight_parts=2)
+block = memoryview(os.urandom(part // 4))
+store.write_atomic("warmup", bytes(block))  # load botocore's models before the baseline
+peak, done = [0], threading.Event()
+def sample():
+    while not done.is_set():
+        peak[0] = max(peak[0], rss())
+        time.sleep(0.002)
+before = rss()
+sampler = threading.Thread(target=sample)
+sampler.start()
+stream = store.create("f")
+for _ in range(total // len(block)):
+    stream.write(block)
+stream.commit()
+done.set()
+sampler.join()
+print(json.dumps({"grew_kib": (peak[0] - before) // 1024, "size": store.size("f")}))
+"""
+
+
+def test_streaming_memory_stays_bounded(s3env: S3Env) -> None:
+    """A 48 MiB object written by a separate process grows its resident memory by a few parts only."""
+    if not os.path.exists("/proc/self/statm"):
+        pytest.skip("needs /proc")
+    import json
+    import subprocess
+    import sys
+
+    part, total = 256 * 1024, 48 << 20
+    out = subprocess.run(
+        [sys.executable, "-c", _MEMORY_PROBE, str(part), str(total), s3env.url("mem")],
+        check=True, capture_output=True, text=True, timeout=120,
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["size"] == total
+    # (max_inflight_parts + 1) x 256 KiB of buffers plus HTTP overheads: far below the 48 MiB written.
+    assert result["grew_kib"] < 12 * 1024, result
+
+
+def test_abort_aborts_the_multipart_upload(s3env: S3Env) -> None:
+    store = S3Storage(s3env.url("ab"), **FAST)
+    stream = store.create("f")
+    stream.write(_data(5 * P))
+    assert len(s3env.uploads("ab/")) == 1
+    stream.abort()
+    assert s3env.uploads("ab/") == [] and s3env.keys("ab/") == []
+    with pytest.raises(ValueError, match="aborted"):
+        stream.commit()
+
+
+def test_transient_faults_are_retried(s3env: S3Env) -> None:
+    data = _data(12 * P + 5)
+    plan = FaultPlan(every=3, kinds=("503", "500", "reset", "cut"), max_faults=12)
+    with FaultProxy(s3env.endpoint, plan) as proxy:
+        store = S3Storage(s3env.url("flaky"), endpoint_url=proxy.endpoint, max_attempts=3, read_part_size=64 * 1024, **FAST)
+        _stream(store, "f", data)
+        store.write_atomic(".metadata", b"meta")
+        ranges = [(i * 7000, 5000) for i in range(50)] + [(0, len(data))]
+        for _ in range(3):
+            got = store.read_ranges("f", ranges)
+            assert [bytes(g) for g in got] == [data[o : o + n] for o, n in ranges]
+        assert bytes(store.read(".metadata")) == b"meta"
+        assert sum(proxy.faults.values()) >= 8, proxy.faults
+        assert proxy.faults["cut"] >= 1
+
+
+def test_failing_part_aborts_upload_with_clear_error(s3env: S3Env) -> None:
+    plan = FaultPlan(every=1, kinds=("503",), match=lambda m, p: is_upload_part(m, p) and "partNumber=3" in p)
+    with FaultProxy(s3env.endpoint, plan) as proxy:
+        store = S3Storage(s3env.url("fail"), endpoint_url=proxy.endpoint, max_attempts=2, part_retries=1, **FAST)
+        stream = store.create("f")
+        with pytest.raises(StorageUnavailableError) as info:
+            stream.write(_data(8 * P))
+            stream.commit()
+        stream.abort()
+    assert "s3://nvdcp-test/fail/f" in str(info.value) and "SlowDown" in str(info.value)
+    assert s3env.uploads("fail/") == [] and s3env.keys("fail/") == []
+
+
+def test_list_sees_only_direct_children(s3env: S3Env) -> None:
+    for key in ("lst/a", "lst/sub/deep", "lstx/other", "lst/.metadata"):
+        s3env.client.put_object(Bucket=s3env.bucket, Key=key, Body=b"x")
+    assert S3Storage(s3env.url("lst")).list() == [".metadata", "a"]
+
+
+def test_md5_checksum_mode_roundtrip(s3env: S3Env) -> None:
+    store = S3Storage(s3env.url("md5"), checksum="MD5", **FAST)
+    data = _data(3 * P + 1)
+    _stream(store, "f", data)
+    store.write_atomic("g", b"abc")
+    assert bytes(store.read("f")) == data and bytes(store.read("g")) == b"abc"
+
+
+def test_pickled_storage_works(s3env: S3Env) -> None:
+    store = S3Storage(s3env.url("pk"), **FAST)
+    store.write_atomic("a", b"1")
+    clone = pickle.loads(pickle.dumps(store))
+    assert clone.config == store.config and bytes(clone.read("a")) == b"1"
+
+
+# -- errors name the URL and never the secret ------------------------------------------------
+def _no_secret(exc: BaseException) -> None:
+    text = "".join(traceback.format_exception(exc)) + repr(exc)
+    assert FAST and FAKE_SECRET not in text
+
+
+def test_missing_bucket(s3env: S3Env) -> None:
+    store = S3Storage("s3://no-such-bucket/ckpt")
+    with pytest.raises(BucketNotFoundError) as info:
+        store.prepare()
+    assert "s3://no-such-bucket/ckpt" in str(info.value)
+    _no_secret(info.value)
+    with pytest.raises(BucketNotFoundError, match="s3://no-such-bucket/ckpt/x"):
+        store.read("x")
+
+
+def test_missing_object(s3env: S3Env) -> None:
+    store = S3Storage(s3env.url("m"))
+    with pytest.raises(MissingDataFileError, match="s3://nvdcp-test/m/gone") as info:
+        store.read_range("gone", 0, 10)
+    _no_secret(info.value)
+
+
+def test_access_denied_and_bad_credentials(s3env: S3Env, moto_s3) -> None:
+    iam = boto3.client("iam", endpoint_url=s3env.endpoint)
+    iam.create_user(UserName="nobody")
+    key = iam.create_access_key(UserName="nobody")["AccessKey"]
+    moto_s3.set_auth(0)  # from now on moto enforces IAM
+    try:
+        denied = S3Storage(
+            s3env.url("d"), aws_access_key_id=key["AccessKeyId"], aws_secret_access_key=key["SecretAccessKey"]
+        )
+        with pytest.raises(S3AccessDeniedError, match="s3://nvdcp-test/d/x") as info:
+            denied.write_atomic("x", b"1")
+        assert isinstance(info.value, PermissionError)
+        assert key["SecretAccessKey"] not in "".join(traceback.format_exception(info.value))
+        unknown = S3Storage(s3env.url("d"))  # the fake environment key is no IAM user
+        with pytest.raises(StorageCredentialsError, match="s3://nvdcp-test/d/x") as info2:
+            unknown.read("x")
+        _no_secret(info2.value)
+    finally:
+        moto_s3.set_auth(None)
