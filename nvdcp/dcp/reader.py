@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future as PyFuture
@@ -36,7 +37,9 @@ from nvdcp.dcp.writer import METADATA_NAME
 from nvdcp.errors import CorruptCheckpointError
 from nvdcp.format.dtypes import code_dtype
 from nvdcp.format.header import KIND_BYTES, KIND_TENSOR, ItemHeader
-from nvdcp.pipeline.cpu import decode_item
+from nvdcp.gpu import gpu_available
+from nvdcp.gpu.config import GpuConfig
+from nvdcp.pipeline.cpu import decode_item, verify_chunks
 from nvdcp.report import Report
 from nvdcp.storage import Storage, open_storage
 
@@ -59,6 +62,9 @@ class NvcompReader(StorageReader):
         thread_count: items fetched and decoded at once (default: min(8, cores)).
         codec_threads: CPU threads for decompression (default: all cores).
         storage_options: backend options for URLs.
+        gpu: GPU path settings (:class:`~nvdcp.gpu.config.GpuConfig`): items whose destination is
+            on a CUDA device are decompressed there with nvCOMP; ``decode_device`` picks where
+            host destinations are decoded on a GPU machine.
 
     Raises (during ``dcp.load``, wrapped by DCP in ``CheckpointException``):
         IncompleteCheckpointError: no ``.metadata`` at ``path``.
@@ -73,6 +79,7 @@ class NvcompReader(StorageReader):
         thread_count: int | None = None,
         codec_threads: int | None = None,
         storage_options: dict[str, Any] | None = None,
+        gpu: GpuConfig | None = None,
     ) -> None:
         super().__init__()
         cores = os.cpu_count() or 1
@@ -84,13 +91,20 @@ class NvcompReader(StorageReader):
         self.path = os.fspath(path)
         self.storage: Storage = open_storage(self.path, **self.storage_options)
         self.metadata: Metadata | None = None
+        self.gpu = gpu or GpuConfig()
         self.last_report: Report | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self._decoders = threading.local()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_pool"] = None
+        state["_decoders"] = None
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._decoders = threading.local()
 
     def _codec_pool(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -128,9 +142,10 @@ class NvcompReader(StorageReader):
         by_item: dict[MetadataIndex, list[ReadItem]] = {}
         for req in plan.items:
             by_item.setdefault(req.storage_index, []).append(req)
+        devices = {index: self._decode_device(reqs, planner) for index, reqs in by_item.items()}
         # Read in file order so a local disk sees sequential-ish access.
         order = sorted(by_item, key=lambda ix: self.record_of(ix)[:2])
-        for index, header, data in self._fetch_and_decode(order, report):
+        for index, header, data in self._fetch_and_decode(order, devices, report):
             for req in by_item[index]:
                 self._commit(req, header, data, planner)
         report.seconds = time.perf_counter() - started
@@ -175,8 +190,31 @@ class NvcompReader(StorageReader):
             return None, None
         return None, None
 
-    def load_item(self, index: MetadataIndex, report: Report) -> tuple[ItemHeader, np.ndarray]:
-        """Fetch, verify and decode one stored item; returns its header and raw bytes."""
+    def _decode_device(self, reqs: list[ReadItem], planner: LoadPlanner) -> torch.device | None:
+        """Where to decode a stored item: a CUDA device, or None for the CPU path."""
+        if not gpu_available() or reqs[0].type == LoadItemType.BYTE_IO:
+            return None
+        target = planner.resolve_tensor(reqs[0])
+        if target.is_cuda:
+            return target.device
+        if self.gpu.decode_device == "cpu":
+            return None
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def _gpu_decoder(self, device: torch.device) -> Any:
+        from nvdcp.gpu.decoder import GpuDecoder
+
+        cache = self._decoders.__dict__.setdefault("by_device", {})
+        if device not in cache:
+            budget = self.gpu.gpu_budget(device) // self.thread_count
+            cache[device] = GpuDecoder(device, budget_bytes=budget, gdeflate_type=self.gpu.gdeflate_algorithm_type)
+        return cache[device]
+
+    def load_item(
+        self, index: MetadataIndex, report: Report, device: torch.device | None = None
+    ) -> tuple[ItemHeader, np.ndarray | torch.Tensor]:
+        """Fetch, verify and decode one stored item; returns its header and raw bytes
+        (a numpy array, or a CUDA uint8 tensor when ``device`` is given)."""
         name, offset, length = self.record_of(index)
         where = self.where(index)
         t0 = time.perf_counter()
@@ -184,7 +222,14 @@ class NvcompReader(StorageReader):
         t1 = time.perf_counter()
         dtype, shape = self._expected(index)
         element_size = torch.empty((), dtype=dtype).element_size() if dtype is not None else 1
-        header, raw = decode_item(memoryview(record), where, self._codec_pool(), element_size)
+        if device is None:
+            header, raw = decode_item(memoryview(record), where, self._codec_pool(), element_size)
+        else:
+            header = verify_chunks(memoryview(record), where)
+            if header.transform and header.n_planes != element_size:
+                raise CorruptCheckpointError(f"{where}: {header.n_planes} byte planes for {element_size}-byte elements")
+            payload = np.frombuffer(record, dtype=np.uint8)[header.header_bytes :]
+            raw = self._gpu_decoder(device).decode(payload, header, dtype, where)
         self._check_against_metadata(header, dtype, shape, element_size, where)
         report.add(header.raw_nbytes, length, read_s=t1 - t0, decode_s=time.perf_counter() - t1)
         return header, raw
@@ -211,15 +256,15 @@ class NvcompReader(StorageReader):
             raise CorruptCheckpointError(f"{where}: {header.raw_nbytes} bytes for shape {header.shape}")
 
     def _fetch_and_decode(
-        self, order: list[MetadataIndex], report: Report
-    ) -> Iterator[tuple[MetadataIndex, ItemHeader, np.ndarray]]:
+        self, order: list[MetadataIndex], devices: dict[MetadataIndex, torch.device | None], report: Report
+    ) -> Iterator[tuple[MetadataIndex, ItemHeader, np.ndarray | torch.Tensor]]:
         window = 2 * self.thread_count
         with ThreadPoolExecutor(self.thread_count, thread_name_prefix="nvdcp-read") as io_pool:
-            pending: list[tuple[MetadataIndex, PyFuture[tuple[ItemHeader, np.ndarray]]]] = []
+            pending: list[tuple[MetadataIndex, PyFuture[tuple[ItemHeader, Any]]]] = []
             it = iter(order)
             try:
                 for index in it:
-                    pending.append((index, io_pool.submit(self.load_item, index, report)))
+                    pending.append((index, io_pool.submit(self.load_item, index, report, devices[index])))
                     if len(pending) >= window:
                         idx, fut = pending.pop(0)
                         yield (idx, *fut.result())
@@ -231,12 +276,14 @@ class NvcompReader(StorageReader):
                     fut.cancel()
 
     @staticmethod
-    def _commit(req: ReadItem, header: ItemHeader, raw: np.ndarray, planner: LoadPlanner) -> None:
+    def _commit(req: ReadItem, header: ItemHeader, raw: np.ndarray | torch.Tensor, planner: LoadPlanner) -> None:
         if req.type == LoadItemType.BYTE_IO:
+            assert isinstance(raw, np.ndarray)
             planner.load_bytes(req, io.BytesIO(raw.tobytes()))
             return
         dtype = code_dtype(header.dtype_code, "")
-        stored = torch.from_numpy(raw).view(dtype).reshape(header.shape)
+        flat = raw if isinstance(raw, torch.Tensor) else torch.from_numpy(raw)
+        stored = flat.view(dtype).reshape(header.shape)
         src = narrow(stored, req.storage_offsets, req.lengths)
         target = planner.resolve_tensor(req).detach()
         if target.shape != src.shape:

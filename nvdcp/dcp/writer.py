@@ -32,9 +32,13 @@ from nvdcp.codecs import codec_name
 from nvdcp.dcp import descriptor
 from nvdcp.errors import CheckpointExistsError
 from nvdcp.format.dtypes import dtype_code
+from nvdcp.codecs import GPU_ONLY
+from nvdcp.errors import CodecUnavailableError
 from nvdcp.format.header import DEFAULT_CHUNK_BYTES, KIND_BYTES, KIND_TENSOR, pack_file_header
+from nvdcp.gpu import gpu_available
+from nvdcp.gpu.config import GpuConfig
 from nvdcp.pipeline.cpu import EncodedItem, encode_item
-from nvdcp.pipeline.policy import choose_layout, validate_codec_choice
+from nvdcp.pipeline.policy import GPU_AUTO_CODEC, choose_layout, validate_codec_choice
 from nvdcp.report import Report
 from nvdcp.storage import Storage, open_storage
 
@@ -97,6 +101,9 @@ class NvcompWriter(StorageWriter):
         chunk_bytes: uncompressed bytes per independently compressed chunk (default 64 KiB).
         codec_threads: CPU threads for compression (default: all cores).
         storage_options: backend options for URLs (see :func:`nvdcp.storage.open_storage`).
+        gpu: bounds and choices of the GPU path (:class:`~nvdcp.gpu.config.GpuConfig`); tensors
+            on a CUDA device are compressed there with nvCOMP when ``nvidia-nvcomp-cu12`` is
+            installed, other tensors on the CPU.
 
     Raises:
         UnknownCodecError: ``codec`` names no codec (a ``ValueError``).
@@ -114,6 +121,7 @@ class NvcompWriter(StorageWriter):
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         codec_threads: int | None = None,
         storage_options: dict[str, Any] | None = None,
+        gpu: GpuConfig | None = None,
     ) -> None:
         super().__init__()
         if thread_count < 1:
@@ -133,13 +141,16 @@ class NvcompWriter(StorageWriter):
         self.rank: int = 0
         self.is_coordinator = True
         self.use_collectives = True
+        self.gpu = gpu or GpuConfig()
         self.last_report: Report | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self._caller_event: Any = None
 
     # -- pickling (async_save PROCESS mode): no threads or handles travel ----------------------
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_pool"] = None
+        state["_caller_event"] = None
         return state
 
     def _codec_pool(self) -> ThreadPoolExecutor:
@@ -183,6 +194,11 @@ class NvcompWriter(StorageWriter):
         buckets = split_into_files(list(plan.items), self.thread_count)
         names = [f"{prefix.prefix}{i}{DATA_SUFFIX}" for i in range(len(buckets))]
         report = Report("save", self.storage.url)
+        # The caller's stream: GPU compression must not read tensors before it has written them.
+        self._caller_event = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self._caller_event = torch.cuda.Event()
+            self._caller_event.record(torch.cuda.current_stream())
         if len(buckets) == 1:
             results = self._write_file(names[0], buckets[0], planner, report)
         else:
@@ -246,6 +262,11 @@ class NvcompWriter(StorageWriter):
             code = dtype_code(data.dtype)
         except ValueError as exc:
             raise ValueError(f"item {item.index.fqn}: {exc}") from None
+        if self.codec in GPU_ONLY:
+            raise CodecUnavailableError(
+                f"item {item.index.fqn}: codec {self.codec!r} compresses only on an NVIDIA GPU with "
+                "nvidia-nvcomp-cu12 installed; none is usable here"
+            )
         raw = tensor_to_host_bytes(data)
         layout = choose_layout(data.dtype, self.codec)
         return encode_item(
@@ -253,31 +274,76 @@ class NvcompWriter(StorageWriter):
             element_size=data.element_size(), layout=layout, pool=pool, chunk_bytes=self.chunk_bytes,
         )
 
+    def _on_gpu(self, data: torch.Tensor) -> bool:
+        if not gpu_available():
+            return False
+        return data.is_cuda or (self.codec in GPU_ONLY and data.numel() > 0)
+
+    def _gpu_job(self, item: WriteItem, data: torch.Tensor) -> Any:
+        from nvdcp.gpu.encoder import GpuJob
+
+        t = data.detach().resolve_conj().resolve_neg()
+        if not t.is_cuda:
+            t = t.to(torch.device("cuda", torch.cuda.current_device()))
+        flat = t.contiguous().reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
+        layout = choose_layout(t.dtype, self.codec, auto_codec=GPU_AUTO_CODEC)
+        return GpuJob(item, flat, layout, t.dtype, dtype_code(t.dtype), tuple(t.shape))
+
+    def _write_gpu_items(self, stream: Any, name: str, jobs: list[Any], write: Any) -> None:
+        from nvdcp.gpu.encoder import GpuEncoder
+
+        by_device: dict[torch.device, list[Any]] = {}
+        for job in jobs:
+            by_device.setdefault(job.data.device, []).append(job)
+        for device, device_jobs in by_device.items():
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(device))
+            encoder = GpuEncoder(
+                device, chunk_bytes=self.chunk_bytes,
+                budget_bytes=self.gpu.gpu_budget(device) // self.thread_count,
+                gdeflate_type=self.gpu.gdeflate_algorithm_type, pool=self._codec_pool(),
+            )
+            for job, encoded in encoder.encode(device_jobs, ready):
+                write(job.key, encoded)
+
     def _write_file(
         self, name: str, items: list[WriteItem], planner: SavePlanner, report: Report
     ) -> list[WriteResult]:
         stream = self.storage.create(name)
         results: list[WriteResult] = []
+        clock = [time.perf_counter()]
+
+        def write(item: WriteItem, encoded: EncodedItem) -> None:
+            t1 = time.perf_counter()
+            offset = stream.tell()
+            stream.write(encoded.header_bytes)
+            stream.writelines(encoded.chunks)
+            t2 = time.perf_counter()
+            report.add(encoded.header.raw_nbytes, encoded.nbytes, encode_s=t1 - clock[0], io_s=t2 - t1)
+            clock[0] = t2
+            results.append(
+                WriteResult(
+                    index=item.index,
+                    size_in_bytes=encoded.nbytes,
+                    storage_data=descriptor.storage_info(name, offset, encoded.nbytes, _main_codec(encoded)),
+                )
+            )
+
         try:
             stream.write(pack_file_header(_writer_info(self.rank, self.save_id)))
+            gpu_jobs = []
+            if self._caller_event is not None:
+                torch.cuda.current_stream().wait_event(self._caller_event)
             for item in items:
                 data = planner.resolve_data(item)
-                t0 = time.perf_counter()
-                encoded = self._encode(item, data)
-                t1 = time.perf_counter()
-                offset = stream.tell()
-                stream.write(encoded.header_bytes)
-                stream.writelines(encoded.chunks)
-                t2 = time.perf_counter()
-                report.add(encoded.header.raw_nbytes, encoded.nbytes, encode_s=t1 - t0, io_s=t2 - t1)
-                codec = _main_codec(encoded)
-                results.append(
-                    WriteResult(
-                        index=item.index,
-                        size_in_bytes=encoded.nbytes,
-                        storage_data=descriptor.storage_info(name, offset, encoded.nbytes, codec),
-                    )
-                )
+                if isinstance(data, torch.Tensor) and self._on_gpu(data):
+                    gpu_jobs.append(self._gpu_job(item, data))
+                    continue
+                clock[0] = time.perf_counter()
+                write(item, self._encode(item, data))
+            if gpu_jobs:
+                clock[0] = time.perf_counter()
+                self._write_gpu_items(stream, name, gpu_jobs, write)
             t0 = time.perf_counter()
             stream.commit()
             report.add(0, 0, io_s=time.perf_counter() - t0)

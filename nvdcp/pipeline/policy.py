@@ -14,6 +14,11 @@ from nvdcp.transform.byteplanes import compressible_planes
 #: nvCOMP on a GPU) and zstd level 1 was the fastest codec that met the ratio targets on the
 #: CPU reference workload (benchmarks/codec_levels.py).
 CPU_AUTO_CODEC = "zstd"
+#: What ``codec="auto"`` means for tensors on a GPU: GDeflate (algorithm type 0) compressed
+#: sign+exponent planes 2.92-3.05x at 40-45 GB/s of plane on the H200, against 2.52-2.55x at
+#: 3-8 GB/s for nvCOMP's Zstd (benchmarks/results/gpu_probe_2026-11-29_h200.json), and its chunks
+#: decode on the CPU through libnvcomp_cpu, so GPU-written checkpoints load anywhere.
+GPU_AUTO_CODEC = "gdeflate"
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import boto3
 import numpy as np
 import pytest
 from botocore.exceptions import ClientError
-from s3_testkit import FAKE_SECRET, TEST_MIN_PART, FaultPlan, FaultProxy, S3Env, is_upload_part, moto_min_part_size
+from tests.s3.s3_testkit import FAKE_SECRET, TEST_MIN_PART, FaultPlan, FaultProxy, S3Env, is_upload_part, moto_min_part_size
 
 from nvdcp.errors import (
     BucketNotFoundError,

@@ -4,9 +4,4 @@ The server, its fault-injecting proxy and the fixtures live in tests/s3/s3_testk
 the S3 checkpoint tests; importing it first sets ``S3_UPLOAD_PART_MIN_SIZE`` before moto is imported.
 """
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "s3"))
-
-from s3_testkit import moto_s3, s3env  # noqa: E402,F401
+from tests.s3.s3_testkit import moto_s3, s3env  # noqa: F401

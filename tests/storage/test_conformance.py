@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from s3_testkit import TEST_MIN_PART, S3Env, moto_min_part_size
+from tests.s3.s3_testkit import TEST_MIN_PART, S3Env, moto_min_part_size
 
 from nvdcp.errors import CorruptCheckpointError, MissingDataFileError, TruncatedCheckpointError
 from nvdcp.storage import Storage, open_storage

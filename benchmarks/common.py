@@ -1,0 +1,88 @@
+"""Shared benchmark plumbing: machine description, timing, result files."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shutil
+import socket
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "hostname": socket.gethostname(), "cores": os.cpu_count(), "arch": platform.machine(),
+        "python": platform.python_version(),
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name()
+    except ImportError:
+        pass
+    return info
+
+
+def dir_bytes(path: str | os.PathLike[str]) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def fresh_dir(path: str | os.PathLike[str]) -> str:
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path, exist_ok=True)
+    return os.fspath(path)
+
+
+def timed(fn: Callable[[], Any], sync: Callable[[], None] | None = None) -> float:
+    if sync:
+        sync()
+    t0 = time.perf_counter()
+    fn()
+    if sync:
+        sync()
+    return time.perf_counter() - t0
+
+
+def drop_page_cache() -> bool:
+    """Best effort: flush dirty pages and drop the page cache (root only)."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def write_results(name: str, payload: dict[str, Any], out_dir: str | os.PathLike[str] | None = None) -> Path:
+    day = datetime.date.today().isoformat()
+    payload = {"date": day, "machine": machine(), "command": " ".join([Path(sys.executable).name, *sys.argv]), **payload}
+    target = Path(out_dir or RESULTS) / f"{name}_{day}.json"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    return target
+
+
+def markdown_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        lines.append("| " + " | ".join(_fmt(r.get(c)) for c in columns) + " |")
+    return "\n".join(lines)
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.3f}"
+    if isinstance(v, int) and v > 10_000:
+        return f"{v:,}"
+    return "" if v is None else str(v)

@@ -1,0 +1,239 @@
+"""GPU item encoder: byte planes with torch, chunks compressed by nvCOMP in batched calls.
+
+Items are cut into block ranges and packed into *buckets* whose GPU footprint stays under the
+configured budget. A bucket's chunks sit in fixed 64 KiB slots of one device buffer; every codec
+gets one batched nvCOMP call per bucket, however many tensors it holds. Compressed chunks are
+compacted on the device and cross to the host in one copy into a pinned buffer, where their
+CRC32Cs are computed. Two CUDA streams alternate between buckets, so bucket k+1 compresses
+while bucket k is compacted, copied and written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any
+
+import nvidia.nvcomp as nv
+import torch
+
+from nvdcp.codecs import codec_id
+from nvdcp.format.header import TRANSFORM_BYTEPLANES, ItemHeader, checksum
+from nvdcp.gpu.nvcomp_codecs import make_codec, max_compressed_chunk, typed_data_type
+from nvdcp.gpu.pinned import POOL
+from nvdcp.pipeline.cpu import EncodedItem
+from nvdcp.pipeline.policy import Layout
+
+
+@dataclass
+class GpuJob:
+    """One tensor to encode on its device."""
+
+    key: Any
+    data: torch.Tensor  # flat, contiguous uint8 view of the tensor's elements, on the GPU
+    layout: Layout
+    dtype: torch.dtype
+    dtype_code: int
+    shape: tuple[int, ...]
+    kind: int = 0
+
+    @property
+    def n_planes(self) -> int:
+        return len(self.layout.plane_codecs)
+
+    @property
+    def elements(self) -> int:
+        """Bytes per plane: elements for byte planes, bytes without a transform."""
+        return self.data.numel() // self.n_planes
+
+
+@dataclass
+class _Segment:
+    job: int
+    first_block: int
+    n_blocks: int
+    first_slot: int
+
+
+@dataclass
+class _Bucket:
+    segments: list[_Segment] = field(default_factory=list)
+    slots: int = 0
+    cost: int = 0
+
+
+@dataclass
+class _Launched:
+    bucket: _Bucket
+    stream: torch.cuda.Stream
+    slots: torch.Tensor
+    raw_sizes: list[int]
+    groups: list[tuple[list[int], torch.Tensor, int, Any]]  # slot ids, comp buffer, cap, nvcomp result
+
+
+class GpuEncoder:
+    """Encodes CUDA tensors into container records (one encoder per device and writer thread)."""
+
+    def __init__(self, device: torch.device, *, chunk_bytes: int, budget_bytes: int,
+                 gdeflate_type: int, pool: Executor | None) -> None:
+        self.device = device
+        self.chunk_bytes = chunk_bytes
+        # Two buckets are in flight at once (one compressing, one being copied out).
+        self.bucket_budget = max(budget_bytes // 2, 8 * chunk_bytes * 16)
+        self.gdeflate_type = gdeflate_type
+        self.pool = pool
+        self.streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+
+    # -- planning ------------------------------------------------------------------------------
+    def _block_cost(self, job: GpuJob) -> int:
+        c = self.chunk_bytes
+        compressed = sum(name != "none" for name in job.layout.plane_codecs)
+        # slots + compressed slots + compaction mask + compacted copy
+        return job.n_planes * c * 3 + compressed * 2 * c
+
+    def _plan(self, jobs: list[GpuJob]) -> list[_Bucket]:
+        """Pack block ranges of the jobs, in order, into buckets under the budget."""
+        buckets = [_Bucket()]
+        for j, job in enumerate(jobs):
+            blocks = -(-job.elements // self.chunk_bytes)
+            per_block = self._block_cost(job)
+            if blocks == 0:
+                buckets[-1].segments.append(_Segment(j, 0, 0, buckets[-1].slots))
+                continue
+            b = 0
+            while b < blocks:
+                cur = buckets[-1]
+                room = (self.bucket_budget - cur.cost) // per_block
+                if room <= 0 and cur.segments:
+                    buckets.append(_Bucket())
+                    continue
+                take = min(blocks - b, max(room, 1))
+                cur.segments.append(_Segment(j, b, take, cur.slots))
+                cur.slots += take * job.n_planes
+                cur.cost += take * per_block
+                b += take
+        return [b for b in buckets if b.segments]
+
+    # -- device work ---------------------------------------------------------------------------
+    def _launch(self, jobs: list[GpuJob], bucket: _Bucket, stream: torch.cuda.Stream) -> _Launched:
+        c = self.chunk_bytes
+        raw_sizes: list[int] = []
+        codec_of_slot: list[tuple[str, str | None]] = []
+        with torch.cuda.stream(stream):
+            slots = torch.empty((max(bucket.slots, 1), c), dtype=torch.uint8, device=self.device)
+            for seg in bucket.segments:
+                job = jobs[seg.job]
+                p = job.n_planes
+                start = seg.first_block * c
+                m = min(job.elements, (seg.first_block + seg.n_blocks) * c) - start
+                full, tail = divmod(m, c)
+                src = job.data[start * p : (start + m) * p]
+                region = slots[seg.first_slot : seg.first_slot + seg.n_blocks * p]
+                if job.layout.transform == TRANSFORM_BYTEPLANES:
+                    if full:
+                        region[: full * p].view(full, p, c).copy_(src[: full * c * p].view(full, c, p).permute(0, 2, 1))
+                    if tail:
+                        region[full * p : (full + 1) * p, :tail].copy_(src[full * c * p :].view(tail, p).t())
+                else:
+                    if full:
+                        region[:full].copy_(src[: full * c].view(full, c))
+                    if tail:
+                        region[full, :tail].copy_(src[full * c :])
+                for b in range(seg.n_blocks):
+                    size = c if b < full else tail
+                    for name in job.layout.plane_codecs:
+                        raw_sizes.append(size)
+                        codec_of_slot.append((name, typed_data_type(name, job.dtype)))
+            groups = []
+            for key in sorted({k for k in codec_of_slot if k[0] != "none"}, key=str):
+                ids = [i for i, k in enumerate(codec_of_slot) if k == key]
+                codec = make_codec(key[0], key[1], self.device.index or 0, stream.cuda_stream, c, self.gdeflate_type)
+                cap = max_compressed_chunk(codec, c)
+                comp = torch.empty(len(ids) * cap, dtype=torch.uint8, device=self.device)
+                src_b = nv.as_arrays(slots, [i * c for i in ids], [raw_sizes[i] for i in ids], cuda_stream=stream.cuda_stream)
+                dst_b = nv.as_arrays(comp, [k * cap for k in range(len(ids))], [cap] * len(ids), cuda_stream=stream.cuda_stream)
+                groups.append((ids, comp, cap, codec.encode(src_b, out=dst_b)))
+        return _Launched(bucket, stream, slots, raw_sizes, groups)
+
+    def _finish(self, jobs: list[GpuJob], launched: _Launched, partial: dict[int, list]) -> Iterator[tuple[GpuJob, EncodedItem]]:
+        c = self.chunk_bytes
+        stored = list(launched.raw_sizes)
+        n = len(stored)
+        pinned = POOL.acquire(max(1, n * c))
+        try:
+            with torch.cuda.stream(launched.stream):
+                for ids, comp, cap, result in launched.groups:
+                    sizes = result.buffer_sizes  # waits for this bucket's encode only
+                    used = [(i, k) for k, (i, s) in enumerate(zip(ids, sizes)) if s < launched.raw_sizes[i]]
+                    for i, k in used:
+                        stored[i] = sizes[k]
+                    if used:
+                        dst = torch.tensor([i for i, _ in used], device=self.device)
+                        src = torch.tensor([k for _, k in used], device=self.device)
+                        launched.slots[dst] = comp.view(-1, cap)[src, :c]
+                total = sum(stored)
+                if total:
+                    sizes_t = torch.tensor(stored, device=self.device, dtype=torch.int32)
+                    mask = torch.arange(c, device=self.device, dtype=torch.int32)[None, :] < sizes_t[:, None]
+                    compact = launched.slots[:n][mask]
+                    pinned[:total].copy_(compact, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(launched.stream)
+            done.synchronize()
+            host = memoryview(pinned.numpy())
+            offsets = [0]
+            for s in stored:
+                offsets.append(offsets[-1] + s)
+            views = [host[offsets[i] : offsets[i + 1]] for i in range(n)]
+            crcs = self._checksums(views)
+            for seg in launched.bucket.segments:
+                job = jobs[seg.job]
+                first = seg.first_slot
+                count = seg.n_blocks * job.n_planes
+                chunks = [(views[i], crcs[i]) for i in range(first, first + count)]
+                whole = seg.first_block == 0 and (seg.first_block + seg.n_blocks) * c >= job.elements
+                if not whole:
+                    # Spans buckets: its bytes must outlive this pinned buffer.
+                    partial.setdefault(seg.job, []).extend((bytes(v), crc) for v, crc in chunks)
+                    if (seg.first_block + seg.n_blocks) * c < job.elements:
+                        continue
+                    chunks = partial.pop(seg.job)
+                yield job, self._item(job, chunks)
+        finally:
+            POOL.release(pinned)
+
+    def _checksums(self, views: list[memoryview]) -> list[int]:
+        if self.pool is None or len(views) < 64:
+            return [checksum(v) for v in views]
+        step = 256
+        parts = self.pool.map(lambda i: [checksum(v) for v in views[i : i + step]], range(0, len(views), step))
+        return [crc for part in parts for crc in part]
+
+    def _item(self, job: GpuJob, chunks: list[tuple[Any, int]]) -> EncodedItem:
+        header = ItemHeader(
+            kind=job.kind, dtype_code=job.dtype_code, shape=job.shape, raw_nbytes=job.data.numel(),
+            transform=job.layout.transform, plane_codecs=tuple(codec_id(n) for n in job.layout.plane_codecs),
+            chunks=tuple((len(v), crc) for v, crc in chunks), chunk_bytes=self.chunk_bytes,
+        )
+        return EncodedItem(header, header.pack(), [v for v, _ in chunks])
+
+    # -- entry point ---------------------------------------------------------------------------
+    def encode(self, jobs: list[GpuJob], ready: torch.cuda.Event | None = None) -> Iterator[tuple[GpuJob, EncodedItem]]:
+        """Yield ``(job, encoded item)`` for every job, in order of completion.
+
+        ``ready`` is an event recorded on the caller's stream after the tensors were produced;
+        our streams wait on it, so compression never reads a tensor before it is written.
+        """
+        if ready is not None:
+            for s in self.streams:
+                s.wait_event(ready)
+        partial: dict[int, list] = {}
+        prev: _Launched | None = None
+        for k, bucket in enumerate(self._plan(jobs)):
+            cur = self._launch(jobs, bucket, self.streams[k % 2])
+            if prev is not None:
+                yield from self._finish(jobs, prev, partial)
+            prev = cur
+        if prev is not None:
+            yield from self._finish(jobs, prev, partial)

@@ -1,0 +1,52 @@
+"""Pinned host buffers, allocated once per process and reused across saves and loads."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+
+class PinnedPool:
+    """A bounded pool of page-locked byte buffers.
+
+    ``acquire(n)`` returns a pinned uint8 tensor of at least ``n`` bytes, reusing a free one when
+    it is large enough; the total ever allocated stays under ``limit`` (callers size their requests
+    from it), and ``peak`` records the most held at once.
+    """
+
+    def __init__(self) -> None:
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+        self.allocated = 0
+        self.in_use = 0
+        self.peak = 0
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            fits = [b for b in self._free if b.numel() >= nbytes]
+            if fits:
+                buf = min(fits, key=lambda b: b.numel())
+                self._free.remove(buf)
+            else:
+                buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+                self.allocated += nbytes
+            self.in_use += buf.numel()
+            self.peak = max(self.peak, self.in_use)
+            return buf
+
+    def release(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self.in_use -= buf.numel()
+            self._free.append(buf)
+
+    def trim(self) -> None:
+        """Drop every free buffer (returns the pinned memory to the OS)."""
+        with self._lock:
+            for b in self._free:
+                self.allocated -= b.numel()
+            self._free.clear()
+
+
+#: One pool per process: pinned allocations are slow (page locking), so saves share them.
+POOL = PinnedPool()
