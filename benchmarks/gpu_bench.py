@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -58,8 +59,10 @@ def naive_nvcomp_save(state: Any, path: str) -> None:
                 continue
             dt = "<f4" if t.dtype == torch.float32 else "<f2" if t.dtype in (torch.bfloat16, torch.float16) else "|u1"
             codec = codecs.setdefault(dt, nv.Codec(algorithm="ANS", data_type=dt))
-            enc = codec.encode(nv.as_array(t.contiguous().reshape(-1).view(torch.uint8)))
-            host = torch.from_dlpack(enc.cpu()).numpy().tobytes()
+            src = t.contiguous().reshape(-1).view(torch.uint8)
+            enc = codec.encode(nv.as_array(src))
+            enc_host = enc.cpu()
+            host = np.asarray(enc_host).tobytes()
             f.write(len(host).to_bytes(8, "little"))
             f.write(host)
         f.flush()
@@ -77,7 +80,8 @@ def naive_nvcomp_load(state: Any, path: str) -> None:
             n = int.from_bytes(f.read(8), "little")
             blob = torch.frombuffer(bytearray(f.read(n)), dtype=torch.uint8).cuda()
             dec = codec.decode(nv.as_array(blob))
-            t.reshape(-1).view(torch.uint8).copy_(torch.from_dlpack(dec).view(torch.uint8))
+            t.reshape(-1).view(torch.uint8).copy_(torch.as_tensor(dec, device="cuda").view(torch.uint8).reshape(-1))
+            torch.cuda.synchronize()  # keep dec alive until the copy is done
 
 
 def stock_zstd_writer(path: str, threads: int) -> Any:
@@ -166,13 +170,14 @@ def main() -> None:
              lambda s, p: dcp.load(s, storage_reader=dcp.FileSystemReader(p))),
             ("stock+ZStandard t1", lambda s, p: dcp.save(s, storage_writer=stock_zstd_writer(p, 1)),
              lambda s, p: dcp.load(s, storage_reader=dcp.FileSystemReader(p))),
-            ("naive nvCOMP ANS per tensor", naive_nvcomp_save, naive_nvcomp_load),
             ("nvdcp t1", lambda s, p: dcp.save(s, storage_writer=nvdcp.NvcompWriter(p, thread_count=1)),
              lambda s, p: dcp.load(s, storage_reader=nvdcp.NvcompReader(p))),
             ("nvdcp t4", lambda s, p: dcp.save(s, storage_writer=nvdcp.NvcompWriter(p, thread_count=4)),
              lambda s, p: dcp.load(s, storage_reader=nvdcp.NvcompReader(p))),
+            ("naive nvCOMP ANS per tensor", naive_nvcomp_save, naive_nvcomp_load),
         ]
         rows = []
+        results["variants"][label] = {"raw_bytes": raw, "rows": rows}
         for name, save_fn, load_fn in variants:
             try:
                 row = run_variant(name, st, args.dir, save_fn, load_fn)
@@ -181,6 +186,7 @@ def main() -> None:
             row["ratio"] = round(raw / row["bytes"], 4) if row.get("bytes") else None
             rows.append(row)
             print(label, row, flush=True)
+            write_results("gpu_bench", results, args.out)  # incremental: a crash keeps what ran
         # CPU destinations on a GPU machine: decode on the GPU or on the CPU?
         path = os.path.join(args.dir, "nvdcp_t1")
         dcp.save(st, storage_writer=nvdcp.NvcompWriter(path))
@@ -191,8 +197,7 @@ def main() -> None:
             drop_page_cache()
             cpu_dest[dev] = round(timed_sync(lambda: dcp.load(host_target, storage_reader=nvdcp.NvcompReader(
                 path, gpu=GpuConfig(decode_device=dev)))), 3)
-        results["variants"][label] = {"raw_bytes": raw, "rows": rows, "codec_stage": codec_stage(st, gcfg),
-                                      "load_into_cpu_tensors_s": cpu_dest}
+        results["variants"][label].update(codec_stage=codec_stage(st, gcfg), load_into_cpu_tensors_s=cpu_dest)
         print(label, "codec stage", results["variants"][label]["codec_stage"], "cpu dest", cpu_dest, flush=True)
         print(markdown_table(rows, ["writer", "bytes", "ratio", "save_s", "load_s", "peak_extra_gpu_MiB",
                                     "peak_pinned_MiB", "bit_exact"]), flush=True)

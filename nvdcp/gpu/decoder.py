@@ -15,7 +15,7 @@ import torch
 from nvdcp.codecs import codec_name
 from nvdcp.errors import CorruptCheckpointError
 from nvdcp.format.header import TRANSFORM_BYTEPLANES, ItemHeader
-from nvdcp.gpu.nvcomp_codecs import make_codec, typed_data_type
+from nvdcp.gpu.nvcomp_codecs import CodecCache, typed_data_type
 from nvdcp.gpu.pinned import POOL
 
 
@@ -27,6 +27,7 @@ class GpuDecoder:
         self.budget = budget_bytes
         self.gdeflate_type = gdeflate_type
         self.stream = torch.cuda.Stream(device)
+        self.codecs: dict[int, CodecCache] = {}
 
     def decode(self, payload: np.ndarray, header: ItemHeader, dtype: torch.dtype | None, where: str) -> torch.Tensor:
         """Decode the item whose chunk payload (bytes after the header) is ``payload``.
@@ -91,10 +92,11 @@ class GpuDecoder:
             idx = torch.tensor(raw_slots, device=self.device)
             dec[idx] = up[idx]
         for (name, data_type), ks in groups.items():
-            codec = make_codec(name, data_type, self.device.index or 0, self.stream.cuda_stream, c, self.gdeflate_type)
-            src = nv.as_arrays(up, [k * c for k in ks], [header.chunks[slot0 + k][0] for k in ks],
+            cache = self.codecs.setdefault(c, CodecCache(self.device.index or 0, self.stream, c, self.gdeflate_type))
+            codec, _cap = cache.get(name, data_type)
+            src = nv.as_arrays(up.view(-1), [k * c for k in ks], [header.chunks[slot0 + k][0] for k in ks],
                                cuda_stream=self.stream.cuda_stream)
-            dst = nv.as_arrays(dec, [k * c for k in ks], [raw_sizes[k] for k in ks], cuda_stream=self.stream.cuda_stream)
+            dst = nv.as_arrays(dec.view(-1), [k * c for k in ks], [raw_sizes[k] for k in ks], cuda_stream=self.stream.cuda_stream)
             try:
                 got = codec.decode(src, out=dst).buffer_sizes
             except Exception as exc:  # nvCOMP reports bad streams as RuntimeError/ValueError

@@ -20,7 +20,7 @@ import torch
 
 from nvdcp.codecs import codec_id
 from nvdcp.format.header import TRANSFORM_BYTEPLANES, ItemHeader, checksum
-from nvdcp.gpu.nvcomp_codecs import make_codec, max_compressed_chunk, typed_data_type
+from nvdcp.gpu.nvcomp_codecs import CodecCache, typed_data_type
 from nvdcp.gpu.pinned import POOL
 from nvdcp.pipeline.cpu import EncodedItem
 from nvdcp.pipeline.policy import Layout
@@ -84,13 +84,15 @@ class GpuEncoder:
         self.gdeflate_type = gdeflate_type
         self.pool = pool
         self.streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        self.codecs = [CodecCache(device.index or 0, s, chunk_bytes, gdeflate_type) for s in self.streams]
 
     # -- planning ------------------------------------------------------------------------------
     def _block_cost(self, job: GpuJob) -> int:
         c = self.chunk_bytes
         compressed = sum(name != "none" for name in job.layout.plane_codecs)
-        # slots + compressed slots + compaction mask + compacted copy
-        return job.n_planes * c * 3 + compressed * 2 * c
+        # per plane: slot, compaction mask, compacted copy; per compressed plane: output slot
+        # (nvCOMP's bound is up to 2 chunks) and the gather that moves it back into the slot
+        return job.n_planes * c * 3 + compressed * 3 * c
 
     def _plan(self, jobs: list[GpuJob]) -> list[_Bucket]:
         """Pack block ranges of the jobs, in order, into buckets under the budget."""
@@ -116,7 +118,8 @@ class GpuEncoder:
         return [b for b in buckets if b.segments]
 
     # -- device work ---------------------------------------------------------------------------
-    def _launch(self, jobs: list[GpuJob], bucket: _Bucket, stream: torch.cuda.Stream) -> _Launched:
+    def _launch(self, jobs: list[GpuJob], bucket: _Bucket, parity: int) -> _Launched:
+        stream = self.streams[parity]
         c = self.chunk_bytes
         raw_sizes: list[int] = []
         codec_of_slot: list[tuple[str, str | None]] = []
@@ -148,10 +151,9 @@ class GpuEncoder:
             groups = []
             for key in sorted({k for k in codec_of_slot if k[0] != "none"}, key=str):
                 ids = [i for i, k in enumerate(codec_of_slot) if k == key]
-                codec = make_codec(key[0], key[1], self.device.index or 0, stream.cuda_stream, c, self.gdeflate_type)
-                cap = max_compressed_chunk(codec, c)
+                codec, cap = self.codecs[parity].get(key[0], key[1])
                 comp = torch.empty(len(ids) * cap, dtype=torch.uint8, device=self.device)
-                src_b = nv.as_arrays(slots, [i * c for i in ids], [raw_sizes[i] for i in ids], cuda_stream=stream.cuda_stream)
+                src_b = nv.as_arrays(slots.view(-1), [i * c for i in ids], [raw_sizes[i] for i in ids], cuda_stream=stream.cuda_stream)
                 dst_b = nv.as_arrays(comp, [k * cap for k in range(len(ids))], [cap] * len(ids), cuda_stream=stream.cuda_stream)
                 groups.append((ids, comp, cap, codec.encode(src_b, out=dst_b)))
         return _Launched(bucket, stream, slots, raw_sizes, groups)
@@ -231,7 +233,7 @@ class GpuEncoder:
         partial: dict[int, list] = {}
         prev: _Launched | None = None
         for k, bucket in enumerate(self._plan(jobs)):
-            cur = self._launch(jobs, bucket, self.streams[k % 2])
+            cur = self._launch(jobs, bucket, k % 2)
             if prev is not None:
                 yield from self._finish(jobs, prev, partial)
             prev = cur

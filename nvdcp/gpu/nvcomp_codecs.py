@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -25,10 +24,13 @@ def typed_data_type(name: str, dtype: torch.dtype | None) -> str | None:
     return "|u1"
 
 
-@functools.cache
 def make_codec(name: str, data_type: str | None, device_index: int, stream: int,
                chunk_bytes: int, gdeflate_type: int) -> Any:
-    """One cached ``nvidia.nvcomp.Codec`` per (codec, data type, device, stream)."""
+    """An ``nvidia.nvcomp.Codec`` for one of our codec ids, bound to ``stream``.
+
+    Callers cache these per stream (see :class:`CodecCache`); a codec bound to a stream must
+    not be shared across threads.
+    """
     import nvidia.nvcomp as nv
 
     options: dict[str, Any] = {}
@@ -42,11 +44,30 @@ def make_codec(name: str, data_type: str | None, device_index: int, stream: int,
     )
 
 
-@functools.cache
-def max_compressed_chunk(codec: Any, chunk_bytes: int) -> int:
+def max_compressed_chunk(codec: Any, chunk_bytes: int, device_index: int) -> int:
     """Upper bound of one compressed chunk, rounded up to 16 bytes (and never below a raw chunk)."""
     import nvidia.nvcomp as nv
 
-    probe = nv.as_array(torch.empty(chunk_bytes, dtype=torch.uint8))
+    probe = nv.as_array(torch.empty(chunk_bytes, dtype=torch.uint8, device=torch.device("cuda", device_index)))
     cap = int(codec.get_max_comp_buffer_size(probe))
     return max(chunk_bytes, -(-cap // 16) * 16)
+
+
+class CodecCache:
+    """nvCOMP codecs and their chunk bounds for one stream, created on first use."""
+
+    def __init__(self, device_index: int, stream: torch.cuda.Stream, chunk_bytes: int, gdeflate_type: int) -> None:
+        self.device_index = device_index
+        self.stream = stream
+        self.chunk_bytes = chunk_bytes
+        self.gdeflate_type = gdeflate_type
+        self._codecs: dict[tuple[str, str | None], tuple[Any, int]] = {}
+
+    def get(self, name: str, data_type: str | None) -> tuple[Any, int]:
+        """``(codec, max compressed chunk bytes)`` for ``name`` with ``data_type``."""
+        key = (name, data_type)
+        if key not in self._codecs:
+            codec = make_codec(name, data_type, self.device_index, self.stream.cuda_stream,
+                               self.chunk_bytes, self.gdeflate_type)
+            self._codecs[key] = (codec, max_compressed_chunk(codec, self.chunk_bytes, self.device_index))
+        return self._codecs[key]

@@ -24,10 +24,10 @@ class PinnedPool:
 
     def acquire(self, nbytes: int) -> torch.Tensor:
         with self._lock:
-            fits = [b for b in self._free if b.numel() >= nbytes]
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
             if fits:
-                buf = min(fits, key=lambda b: b.numel())
-                self._free.remove(buf)
+                # by position, not list.remove(): tensors compare elementwise
+                buf = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
             else:
                 buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
                 self.allocated += nbytes

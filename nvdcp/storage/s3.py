@@ -534,25 +534,26 @@ class _S3WriteStream(WriteStream):
         self._key = key
         self._where = where
         self._cfg = storage.config
-        self._buf = bytearray(self._cfg.part_size)
-        self._fill = 0
+        # Grown as data arrives (not preallocated), so a small object costs only its own size.
+        self._buf = bytearray()
+        self._part_size = self._cfg.part_size
         self._pos = 0
         self._upload_id: str | None = None
         self._parts: list[cf.Future[dict[str, Any]]] = []
         self._slots = threading.BoundedSemaphore(self._cfg.max_inflight_parts)
+        self._failure: BaseException | None = None  # the first failed part's error
         self._state = "open"
 
     def write(self, data: Buffer) -> None:
         self._check_open()
         view = memoryview(data).cast("B")
         while view:
-            if self._fill == len(self._buf):
+            if len(self._buf) == self._part_size:
                 # Flush a full part only when more bytes follow: an object of exactly one part
                 # still goes up as a single PutObject at commit.
                 self._flush_part()
-            n = min(len(view), len(self._buf) - self._fill)
-            self._buf[self._fill : self._fill + n] = view[:n]
-            self._fill += n
+            n = min(len(view), self._part_size - len(self._buf))
+            self._buf += view[:n]
             self._pos += n
             view = view[n:]
 
@@ -565,8 +566,8 @@ class _S3WriteStream(WriteStream):
             if self._upload_id is None:
                 self._s.put(self._key, self._where, self._take_buffer())
             else:
-                if self._fill:
-                    self._flush_part(final=True)
+                if self._buf:
+                    self._flush_part()
                 self._complete()
         except BaseException:
             self._abort_quietly()
@@ -601,8 +602,6 @@ class _S3WriteStream(WriteStream):
 
     def _take_buffer(self) -> bytearray:
         buf, self._buf = self._buf, bytearray()
-        del buf[self._fill :]  # shrinks in place, no copy
-        self._fill = 0
         return buf
 
     def _start_upload(self) -> None:
@@ -614,7 +613,7 @@ class _S3WriteStream(WriteStream):
         self._upload_id = resp["UploadId"]
         logger.debug("multipart upload of %s started", self._where)
 
-    def _flush_part(self, final: bool = False) -> None:
+    def _flush_part(self) -> None:
         if self._upload_id is None:
             self._start_upload()
         number = len(self._parts) + 1
@@ -632,15 +631,18 @@ class _S3WriteStream(WriteStream):
         except BaseException:
             self._slots.release()
             raise
-        fut.add_done_callback(lambda _: self._slots.release())
+        fut.add_done_callback(self._part_done)
         self._parts.append(fut)
-        if not final:
-            self._buf = bytearray(self._cfg.part_size_for(number + 1))
+        self._part_size = self._cfg.part_size_for(number + 1)
+
+    def _part_done(self, fut: cf.Future[dict[str, Any]]) -> None:
+        if not fut.cancelled() and fut.exception() is not None and self._failure is None:
+            self._failure = fut.exception()
+        self._slots.release()
 
     def _raise_failed(self) -> None:
-        for fut in self._parts:
-            if fut.done() and fut.exception() is not None:
-                raise fut.exception()  # type: ignore[misc]
+        if self._failure is not None:
+            raise self._failure
 
     def _upload_part(self, number: int, data: bytearray) -> dict[str, Any]:
         checksum = self._s._checksum_args(data)

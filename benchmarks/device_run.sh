@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# One call on the GPU device machine: install the carried wheels, run the GPU test suite (and the
+# CPU suite under the device's torch), write GPU-made golden checkpoints, run the GPU benchmark.
+#   run(command="bash benchmarks/device_run.sh [--small]", carry=[".whl"])
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export NVDCP_GPU_GOLDEN_OUT=$OUT
+python3 -m pytest -q -p no:cacheprovider -p no:logging --tb=short tests/gpu ${TESTS_EXTRA:-} 2>&1 | grep -vE "^(DEBUG|INFO) " | tail -60 | tee "$OUT/gpu_tests.log"
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  python3 benchmarks/gpu_bench.py --out "$OUT" "$@" 2>&1 | tail -60
+fi
