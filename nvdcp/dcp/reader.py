@@ -8,12 +8,13 @@ pool with a bounded window, so memory stays near ``window x largest item``.
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future as PyFuture
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -215,24 +216,68 @@ class NvcompReader(StorageReader):
     ) -> tuple[ItemHeader, np.ndarray | torch.Tensor]:
         """Fetch, verify and decode one stored item; returns its header and raw bytes
         (a numpy array, or a CUDA uint8 tensor when ``device`` is given)."""
+        if device is not None:
+            ((_, header, raw),) = self._load_gpu_batch([index], device, report)
+            return header, raw
         name, offset, length = self.record_of(index)
         where = self.where(index)
         t0 = time.perf_counter()
         record = self.storage.read_range(name, offset, length)
         t1 = time.perf_counter()
         dtype, shape = self._expected(index)
-        element_size = torch.empty((), dtype=dtype).element_size() if dtype is not None else 1
-        if device is None:
-            header, raw = decode_item(memoryview(record), where, self._codec_pool(), element_size)
-        else:
-            header = verify_chunks(memoryview(record), where)
-            if header.transform and header.n_planes != element_size:
-                raise CorruptCheckpointError(f"{where}: {header.n_planes} byte planes for {element_size}-byte elements")
-            payload = np.frombuffer(record, dtype=np.uint8)[header.header_bytes :]
-            raw = self._gpu_decoder(device).decode(payload, header, dtype, where)
+        element_size = _element_size(dtype)
+        header, raw = decode_item(memoryview(record), where, self._codec_pool(), element_size)
         self._check_against_metadata(header, dtype, shape, element_size, where)
         report.add(header.raw_nbytes, length, read_s=t1 - t0, decode_s=time.perf_counter() - t1)
         return header, raw
+
+    def _load_gpu_batch(
+        self, indexes: list[MetadataIndex], device: torch.device, report: Report
+    ) -> list[tuple[MetadataIndex, ItemHeader, torch.Tensor]]:
+        """Fetch and verify several items on the host, then decode them together on ``device``."""
+        from nvdcp.gpu.decoder import DecodeRequest
+
+        requests = []
+        expected = []
+        t0 = time.perf_counter()
+        stored = 0
+        for index in indexes:
+            name, offset, length = self.record_of(index)
+            where = self.where(index)
+            record = self.storage.read_range(name, offset, length)
+            stored += length
+            header = verify_chunks(memoryview(record), where)
+            dtype, shape = self._expected(index)
+            element_size = _element_size(dtype)
+            if header.transform and header.n_planes != element_size:
+                raise CorruptCheckpointError(f"{where}: {header.n_planes} byte planes for {element_size}-byte elements")
+            self._check_against_metadata(header, dtype, shape, element_size, where)
+            payload = np.frombuffer(record, dtype=np.uint8)[header.header_bytes :]
+            requests.append(DecodeRequest(payload, header, dtype, where))
+        t1 = time.perf_counter()
+        outs = self._gpu_decoder(device).decode_many(requests)
+        raw = sum(r.header.raw_nbytes for r in requests)
+        report.add(raw, stored, read_s=t1 - t0, decode_s=time.perf_counter() - t1)
+        return [(ix, r.header, out) for ix, r, out in zip(indexes, requests, outs)]
+
+    def _gpu_batches(
+        self, order: list[MetadataIndex], devices: dict[MetadataIndex, torch.device | None]
+    ) -> list[tuple[torch.device, list[MetadataIndex]]]:
+        """Group GPU-decoded items into batches whose stored size fits half a thread's budget."""
+        batches: list[tuple[torch.device, list[MetadataIndex]]] = []
+        open_: dict[torch.device, tuple[list[MetadataIndex], int]] = {}
+        for index in order:
+            device = devices[index]
+            assert device is not None
+            limit = self.gpu.gpu_budget(device) // (2 * self.thread_count)
+            size = self.record_of(index)[2]
+            items, total = open_.get(device, ([], 0))
+            if items and (total + size > limit or len(items) >= 4096):
+                batches.append((device, items))
+                items, total = [], 0
+            open_[device] = ([*items, index], total + size)
+        batches += [(device, items) for device, (items, _) in open_.items() if items]
+        return batches
 
     @staticmethod
     def _check_against_metadata(
@@ -258,22 +303,30 @@ class NvcompReader(StorageReader):
     def _fetch_and_decode(
         self, order: list[MetadataIndex], devices: dict[MetadataIndex, torch.device | None], report: Report
     ) -> Iterator[tuple[MetadataIndex, ItemHeader, np.ndarray | torch.Tensor]]:
+        """Run item loads (CPU) and batch loads (GPU) on the I/O pool, a bounded window ahead."""
+        tasks: list[Callable[[], list[tuple[MetadataIndex, ItemHeader, Any]]]] = []
+        for index in order:
+            if devices[index] is None:
+                tasks.append(functools.partial(self._load_cpu_task, index, report))
+        for device, batch in self._gpu_batches([ix for ix in order if devices[ix] is not None], devices):
+            tasks.append(functools.partial(self._load_gpu_batch, batch, device, report))
         window = 2 * self.thread_count
         with ThreadPoolExecutor(self.thread_count, thread_name_prefix="nvdcp-read") as io_pool:
-            pending: list[tuple[MetadataIndex, PyFuture[tuple[ItemHeader, Any]]]] = []
-            it = iter(order)
+            pending: list[PyFuture[list[tuple[MetadataIndex, ItemHeader, Any]]]] = []
             try:
-                for index in it:
-                    pending.append((index, io_pool.submit(self.load_item, index, report, devices[index])))
+                for task in tasks:
+                    pending.append(io_pool.submit(task))
                     if len(pending) >= window:
-                        idx, fut = pending.pop(0)
-                        yield (idx, *fut.result())
+                        yield from pending.pop(0).result()
                 while pending:
-                    idx, fut = pending.pop(0)
-                    yield (idx, *fut.result())
+                    yield from pending.pop(0).result()
             finally:
-                for _, fut in pending:
+                for fut in pending:
                     fut.cancel()
+
+    def _load_cpu_task(self, index: MetadataIndex, report: Report) -> list[tuple[MetadataIndex, ItemHeader, Any]]:
+        header, raw = self.load_item(index, report)
+        return [(index, header, raw)]
 
     @staticmethod
     def _commit(req: ReadItem, header: ItemHeader, raw: np.ndarray | torch.Tensor, planner: LoadPlanner) -> None:
@@ -293,6 +346,10 @@ class NvcompReader(StorageReader):
             )
         target.copy_(src)
         planner.commit_tensor(req, target)
+
+
+def _element_size(dtype: torch.dtype | None) -> int:
+    return torch.empty((), dtype=dtype).element_size() if dtype is not None else 1
 
 
 def describe_index(index: MetadataIndex) -> str:

@@ -81,10 +81,17 @@ def tensor_to_host_bytes(tensor: torch.Tensor) -> np.ndarray:
     t = tensor.detach().resolve_conj().resolve_neg()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous()
     if t.numel() == 0:
         return np.empty(0, dtype=np.uint8)
-    return t.reshape(-1).view(torch.uint8).numpy()
+    return flat_bytes(t).numpy()
+
+
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of ``t``'s elements in row-major order (copies only non-contiguous views)."""
+    flat = t.contiguous().reshape(-1)
+    if flat.stride(0) != 1:  # "contiguous" size-1 tensors may keep an odd stride
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8)
 
 
 class NvcompWriter(StorageWriter):
@@ -285,7 +292,7 @@ class NvcompWriter(StorageWriter):
         t = data.detach().resolve_conj().resolve_neg()
         if not t.is_cuda:
             t = t.to(torch.device("cuda", torch.cuda.current_device()))
-        flat = t.contiguous().reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
+        flat = flat_bytes(t) if t.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
         layout = choose_layout(t.dtype, self.codec, auto_codec=GPU_AUTO_CODEC)
         return GpuJob(item, flat, layout, t.dtype, dtype_code(t.dtype), tuple(t.shape))
 

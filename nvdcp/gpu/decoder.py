@@ -1,12 +1,17 @@
 """GPU item decoder: chunks go host -> device in one copy, nvCOMP decodes them in batched calls,
 and the byte planes are merged back into elements on the device.
 
-The caller has already checked the item header and every chunk's CRC32C on the host
+Many items are decoded together: their chunks share one staging buffer, one host-to-device copy
+and one nvCOMP call per codec, which matters for the hundreds of small tensors (biases, norms)
+of a model. Items larger than the scratch budget are decoded in block ranges. The caller has
+already checked each item header and every chunk's CRC32C on the host
 (:func:`nvdcp.pipeline.cpu.verify_chunks`), so nvCOMP never sees bytes that differ from what
-was written. Items larger than the scratch budget are decoded in block ranges.
+was written.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import nvidia.nvcomp as nv
 import numpy as np
@@ -19,8 +24,31 @@ from nvdcp.gpu.nvcomp_codecs import CodecCache, typed_data_type
 from nvdcp.gpu.pinned import POOL
 
 
+@dataclass
+class DecodeRequest:
+    """One item to decode: its chunk payload (the bytes after its header) and what it holds."""
+
+    payload: np.ndarray
+    header: ItemHeader
+    dtype: torch.dtype | None
+    where: str
+
+
+@dataclass
+class _Segment:
+    req: DecodeRequest
+    offsets: np.ndarray
+    first: int  # first block
+    last: int  # one past the last block
+    out: torch.Tensor
+
+    @property
+    def slots(self) -> int:
+        return (self.last - self.first) * self.req.header.n_planes
+
+
 class GpuDecoder:
-    """Decodes container records into raw element bytes on one device."""
+    """Decodes container records into raw element bytes on one device (one per thread)."""
 
     def __init__(self, device: torch.device, *, budget_bytes: int, gdeflate_type: int = 0) -> None:
         self.device = device
@@ -30,96 +58,129 @@ class GpuDecoder:
         self.codecs: dict[int, CodecCache] = {}
 
     def decode(self, payload: np.ndarray, header: ItemHeader, dtype: torch.dtype | None, where: str) -> torch.Tensor:
-        """Decode the item whose chunk payload (bytes after the header) is ``payload``.
+        """Decode one item; returns a flat uint8 tensor of ``header.raw_nbytes`` on this device."""
+        return self.decode_many([DecodeRequest(payload, header, dtype, where)])[0]
 
-        Returns a flat uint8 tensor of ``header.raw_nbytes`` bytes on this device.
-        """
-        c = header.chunk_bytes
-        p = header.n_planes
-        out = torch.empty(header.raw_nbytes, dtype=torch.uint8, device=self.device)
-        offsets = np.zeros(len(header.chunks) + 1, dtype=np.int64)
-        np.cumsum([s for s, _ in header.chunks], out=offsets[1:])
-        blocks_per_pass = max(1, self.budget // (3 * p * c))
+    def decode_many(self, requests: list[DecodeRequest]) -> list[torch.Tensor]:
+        """Decode several items in as few passes (staging copies, nvCOMP calls) as the budget allows."""
+        outs = []
+        passes: list[list[_Segment]] = [[]]
+        used = 0
         with torch.cuda.stream(self.stream):
-            for first in range(0, header.n_blocks, blocks_per_pass):
-                last = min(header.n_blocks, first + blocks_per_pass)
-                self._decode_blocks(payload, offsets, header, dtype, first, last, out, where)
+            for req in requests:
+                h = req.header
+                out = torch.empty(h.raw_nbytes, dtype=torch.uint8, device=self.device)
+                outs.append(out)
+                offsets = np.zeros(len(h.chunks) + 1, dtype=np.int64)
+                np.cumsum([s for s, _ in h.chunks], out=offsets[1:])
+                slot_cost = 2 * h.chunk_bytes  # staging on the device + decoded slot
+                per_pass = max(1, self.budget // (slot_cost * h.n_planes))
+                for first in range(0, h.n_blocks, per_pass):
+                    last = min(h.n_blocks, first + per_pass)
+                    seg = _Segment(req, offsets, first, last, out)
+                    cost = seg.slots * slot_cost
+                    if passes[-1] and (used + cost > self.budget or passes[-1][0].req.header.chunk_bytes != h.chunk_bytes):
+                        passes.append([])
+                        used = 0
+                    passes[-1].append(seg)
+                    used += cost
+            for segments in passes:
+                if segments:
+                    self._run_pass(segments)
         self.stream.synchronize()
-        return out
+        return outs
 
-    def _decode_blocks(self, payload: np.ndarray, offsets: np.ndarray, header: ItemHeader,
-                       dtype: torch.dtype | None, first: int, last: int, out: torch.Tensor, where: str) -> None:
-        c = header.chunk_bytes
-        p = header.n_planes
-        slot0 = first * p
-        n = (last - first) * p
+    def _run_pass(self, segments: list[_Segment]) -> None:
+        c = segments[0].req.header.chunk_bytes
+        n = sum(seg.slots for seg in segments)
         staging = POOL.acquire(n * c)
         try:
             host = staging.numpy()
-            raw_sizes = []
-            for k in range(n):
-                i = slot0 + k
-                size = header.chunks[i][0]
-                host[k * c : k * c + size] = payload[offsets[i] : offsets[i] + size]
-                raw_sizes.append(header.block_elements(i // p))
+            raw_sizes: list[int] = []
+            groups: dict[tuple[str, str | None], list[int]] = {}
+            raw_slots: list[int] = []
+            k = 0
+            for seg in segments:
+                h = seg.req.header
+                p = h.n_planes
+                for i in range(seg.first * p, seg.last * p):
+                    size = h.chunks[i][0]
+                    raw = h.block_elements(i // p)
+                    host[k * c : k * c + size] = seg.req.payload[seg.offsets[i] : seg.offsets[i] + size]
+                    raw_sizes.append(raw)
+                    if size == raw:
+                        raw_slots.append(k)
+                    else:
+                        name = codec_name(h.plane_codecs[i % p])
+                        groups.setdefault((name, typed_data_type(name, seg.req.dtype)), []).append(k)
+                    k += 1
             up = torch.empty((n, c), dtype=torch.uint8, device=self.device)
             up.view(-1).copy_(staging[: n * c], non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(self.stream)
-            dec = self._decode_slots(up, header, dtype, slot0, raw_sizes, where)
-            self._merge(dec, header, first, last, out)
+            dec = self._decode_slots(up, groups, raw_slots, raw_sizes, segments)
+            base = 0
+            for seg in segments:
+                _merge(dec[base : base + seg.slots], seg.req.header, seg.first, seg.last, seg.out)
+                base += seg.slots
             copied.synchronize()  # the pinned staging buffer may be reused after this
         finally:
             POOL.release(staging)
 
-    def _decode_slots(self, up: torch.Tensor, header: ItemHeader, dtype: torch.dtype | None, slot0: int,
-                      raw_sizes: list[int], where: str) -> torch.Tensor:
-        c = header.chunk_bytes
-        p = header.n_planes
-        groups: dict[tuple[str, str | None], list[int]] = {}
-        raw_slots = []
-        for k, raw in enumerate(raw_sizes):
-            size = header.chunks[slot0 + k][0]
-            if size == raw:
-                raw_slots.append(k)
-            else:
-                name = codec_name(header.plane_codecs[(slot0 + k) % p])
-                groups.setdefault((name, typed_data_type(name, dtype)), []).append(k)
+    def _decode_slots(self, up: torch.Tensor, groups: dict[tuple[str, str | None], list[int]], raw_slots: list[int],
+                      raw_sizes: list[int], segments: list[_Segment]) -> torch.Tensor:
         if not groups:
             return up
+        c = up.shape[1]
         dec = torch.empty_like(up)
         if raw_slots:
             idx = torch.tensor(raw_slots, device=self.device)
             dec[idx] = up[idx]
+        cache = self.codecs.setdefault(c, CodecCache(self.device.index or 0, self.stream, c, self.gdeflate_type))
+        comp_sizes = [0] * len(raw_sizes)
+        k = 0
+        for seg in segments:
+            h = seg.req.header
+            for i in range(seg.first * h.n_planes, seg.last * h.n_planes):
+                comp_sizes[k] = h.chunks[i][0]
+                k += 1
         for (name, data_type), ks in groups.items():
-            cache = self.codecs.setdefault(c, CodecCache(self.device.index or 0, self.stream, c, self.gdeflate_type))
             codec, _cap = cache.get(name, data_type)
-            src = nv.as_arrays(up.view(-1), [k * c for k in ks], [header.chunks[slot0 + k][0] for k in ks],
+            src = nv.as_arrays(up.view(-1), [k * c for k in ks], [comp_sizes[k] for k in ks],
                                cuda_stream=self.stream.cuda_stream)
-            dst = nv.as_arrays(dec.view(-1), [k * c for k in ks], [raw_sizes[k] for k in ks], cuda_stream=self.stream.cuda_stream)
+            dst = nv.as_arrays(dec.view(-1), [k * c for k in ks], [raw_sizes[k] for k in ks],
+                               cuda_stream=self.stream.cuda_stream)
             try:
                 got = codec.decode(src, out=dst).buffer_sizes
             except Exception as exc:  # nvCOMP reports bad streams as RuntimeError/ValueError
+                where = segments[0].req.where if len(segments) == 1 else f"{len(segments)} items"
                 raise CorruptCheckpointError(f"{where}: nvCOMP {name} decode failed: {exc}") from exc
             bad = [k for k, g in zip(ks, got) if g != raw_sizes[k]]
             if bad:
-                raise CorruptCheckpointError(
-                    f"{where}: chunk {slot0 + bad[0]} ({name}) decoded to the wrong size on the GPU"
-                )
+                raise CorruptCheckpointError(f"{_owner(segments, bad[0])}: a {name} chunk decoded to the wrong size on the GPU")
         return dec
 
-    @staticmethod
-    def _merge(dec: torch.Tensor, header: ItemHeader, first: int, last: int, out: torch.Tensor) -> None:
-        c = header.chunk_bytes
-        p = header.n_planes
-        start = first * c * p
-        m = min(header.plane_nbytes, last * c) - first * c
-        full, tail = divmod(m, c)
-        dst = out[start : start + m * p]
-        if header.transform != TRANSFORM_BYTEPLANES:
-            dst.copy_(dec.view(-1)[:m])
-            return
-        if full:
-            dst[: full * c * p].view(full, c, p).copy_(dec[: full * p].view(full, p, c).permute(0, 2, 1))
-        if tail:
-            dst[full * c * p :].view(tail, p).copy_(dec[full * p : (full + 1) * p, :tail].t())
+
+def _owner(segments: list[_Segment], slot: int) -> str:
+    for seg in segments:
+        if slot < seg.slots:
+            return seg.req.where
+        slot -= seg.slots
+    return "?"
+
+
+def _merge(dec: torch.Tensor, header: ItemHeader, first: int, last: int, out: torch.Tensor) -> None:
+    """Write blocks ``first:last`` (decoded slots ``dec``) into ``out`` as element bytes."""
+    c = header.chunk_bytes
+    p = header.n_planes
+    start = first * c * p
+    m = min(header.plane_nbytes, last * c) - first * c
+    full, tail = divmod(m, c)
+    dst = out[start : start + m * p]
+    if header.transform != TRANSFORM_BYTEPLANES:
+        dst.copy_(dec.reshape(-1)[:m])
+        return
+    if full:
+        dst[: full * c * p].view(full, c, p).copy_(dec[: full * p].view(full, p, c).permute(0, 2, 1))
+    if tail:
+        dst[full * c * p :].view(tail, p).copy_(dec[full * p : (full + 1) * p, :tail].t())
