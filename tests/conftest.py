@@ -37,7 +37,9 @@ def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if a.numel() == 0:
         return True
-    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+    from nvdcp.dcp.writer import flat_bytes
+
+    return torch.equal(flat_bytes(a), flat_bytes(b))
 
 
 def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
