@@ -241,6 +241,32 @@ def stored_bytes(endpoint: str, prefix: str) -> int:
     return total
 
 
+NOTES = [
+    "One run per variant; save and load each in a fresh subprocess. moto runs in the driver process on the "
+    "same cores, so wall times compare clients against one server, not against AWS.",
+    "requests/bytes are counted by a WSGI wrapper around moto: every HTTP request and body byte each way.",
+    "moto reads a whole object for every ranged GET, so many small ranged GETs cost far more here than on S3.",
+    "s3torchconnector: installed with pip install --no-deps --target DIR s3torchconnector==1.5.0 "
+    "s3torchconnectorclient==1.5.0 tenacity and put on PYTHONPATH (a plain install would replace the "
+    "environment's torch); its DCP classes take no endpoint, so the bench swaps in "
+    "S3Client(endpoint=..., force_path_style=True). It stores torch.save bytes uncompressed, like torch-fsspec.",
+    "peak_rss_MB is the worker's largest resident set sampled every 5 ms during dcp.save/dcp.load; "
+    "rss_before_MB includes torch and the state dict (loads hold the reference state and the target).",
+]
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for dist in ("torch", "boto3", "botocore", "s3fs", "fsspec", "moto", "s3torchconnector"):
+        try:
+            found[dist] = version(dist)
+        except PackageNotFoundError:
+            found[dist] = "not installed"
+    return found
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", choices=sorted(SIZES), default="small")
@@ -306,7 +332,7 @@ def run(args: argparse.Namespace, variants: list[str]) -> None:
     for s in skipped:
         print(f"skipped {s['variant']}: {s['reason']}")
     payload = {"benchmark": "s3", "endpoint": "moto S3 server on 127.0.0.1 (same machine)", "workload": workload,
-               "results": rows, "skipped": skipped, "columns": columns}
+               "versions": _versions(), "results": rows, "skipped": skipped, "columns": columns, "notes": NOTES}
     print("written", write_results("s3", payload, args.out))
 
 

@@ -23,6 +23,10 @@ from nvdcp.errors import (
     TruncatedCheckpointError,
 )
 from nvdcp.storage.base import Buffer, Storage, WriteStream, check_name
+from nvdcp.storage.readahead import BlockCache
+
+# File systems where a request costs no more than a memory copy: no readahead.
+_LOCAL = frozenset({"memory", "file", "local"})
 
 # Object stores whose first path component is a bucket/container that nvdcp must not create.
 _BUCKETED = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"})
@@ -135,24 +139,46 @@ class FsspecStorage(Storage):
     Args:
         url: e.g. ``memory://ckpt``, ``gs://bucket/prefix``, ``s3://bucket/prefix``.
         coalesce_gap: ranges of one object closer than this are fetched by one request.
+        readahead_size: a small ``read_range`` fetches the aligned block of this size around it
+            and serves the following reads from it (see :mod:`nvdcp.storage.readahead`); default
+            8 MiB for remote file systems, 0 (off) for ``memory://``.
+        readahead_blocks: blocks kept at most.
         **storage_options: passed to the fsspec file system (``endpoint_url``, ``key``, ``anon``...).
     """
 
-    def __init__(self, url: str, *, coalesce_gap: int = 1 << 20, **storage_options: Any) -> None:
+    def __init__(
+        self, url: str, *, coalesce_gap: int = 1 << 20, readahead_size: int | None = None,
+        readahead_blocks: int = 8, **storage_options: Any,
+    ) -> None:
         fsspec = _import_fsspec()
-        if not isinstance(coalesce_gap, int) or coalesce_gap < 0:
-            raise ValueError(f"coalesce_gap must be a non-negative integer, got {coalesce_gap!r}")
+        self.protocol = url.split("://", 1)[0]
+        if readahead_size is None:
+            readahead_size = 0 if self.protocol in _LOCAL else 8 << 20
+        for name, value in (("coalesce_gap", coalesce_gap), ("readahead_size", readahead_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
         self.coalesce_gap = coalesce_gap
+        self.readahead_size = readahead_size
+        self.readahead_blocks = readahead_blocks
+        self._blocks = BlockCache(readahead_blocks)
         try:
             self.fs, root = fsspec.core.url_to_fs(url, **storage_options)
         except ImportError as exc:
-            raise ImportError(f"{url.split('://')[0]}:// URLs need an fsspec implementation: {exc}") from exc
+            raise ImportError(f"{self.protocol}:// URLs need an fsspec implementation: {exc}") from exc
         self.root = root.rstrip("/")
-        self.protocol = url.split("://", 1)[0]
         self.url = f"{self.protocol}://{self.root}"
 
     def __repr__(self) -> str:
         return f"FsspecStorage({self.url!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_blocks"]  # a lock and cached bytes do not travel
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._blocks = BlockCache(self.readahead_blocks)
 
     def _path(self, name: str) -> str:
         return f"{self.root}/{check_name(name, self.url)}"
@@ -169,18 +195,34 @@ class FsspecStorage(Storage):
             raise translate_fsspec_error(exc, self.url, "prepare") from exc
 
     def create(self, name: str) -> WriteStream:
+        self._blocks.forget(self._path(name))
         return _FsspecWriteStream(self, self._path(name), self.describe(name))
 
     def write_atomic(self, name: str, data: bytes) -> None:
         # One pipe_file is a single PUT on object stores and one dict entry in memory://.
         path = self._path(name)
+        self._blocks.forget(path)
         try:
             self.fs.pipe_file(path, bytes(data))
         except Exception as exc:
             raise translate_fsspec_error(exc, self.describe(name), "write") from exc
 
     def read_range(self, name: str, offset: int, length: int) -> Buffer:
-        return self.read_ranges(name, [(offset, length)])[0]
+        block = self.readahead_size
+        if not block or not 0 < length < block or offset < 0:
+            return self.read_ranges(name, [(offset, length)])[0]
+        path, where = self._path(name), self.describe(name)
+        return self._blocks.read(path, offset, length, block, lambda i: self._fetch_block(path, where, i), where)
+
+    def _fetch_block(self, path: str, where: str, index: int) -> bytes:
+        start = index * self.readahead_size
+        try:
+            return self.fs.cat_file(path, start=start, end=start + self.readahead_size)
+        except Exception as exc:
+            err = translate_fsspec_error(exc, where, "read")
+            if isinstance(err, TruncatedCheckpointError):
+                return b""  # the block starts past the end of the object
+            raise err from exc
 
     def read_ranges(self, name: str, ranges: Sequence[tuple[int, int]]) -> list[Buffer]:
         from fsspec.utils import merge_offset_ranges
@@ -264,6 +306,8 @@ class FsspecStorage(Storage):
         paths = [self._path(n) for n in names]
         if not paths:
             return
+        for path in paths:
+            self._blocks.forget(path)
         try:
             self.fs.rm(paths)  # one batched request on object stores
         except FileNotFoundError:

@@ -54,6 +54,7 @@ from nvdcp.errors import (
     TruncatedCheckpointError,
 )
 from nvdcp.storage.base import Buffer, Storage, WriteStream, check_name
+from nvdcp.storage.readahead import BlockCache
 from nvdcp.storage.s3_config import S3_MAX_DELETE_KEYS, S3_MAX_PART_SIZE, S3_MAX_PARTS, S3Config
 
 logger = logging.getLogger(__name__)
@@ -222,6 +223,7 @@ class S3Storage(Storage):
         self._client: Any = None
         self._session: Any = None
         self._pool: cf.ThreadPoolExecutor | None = None
+        self._blocks = BlockCache(self.config.readahead_blocks)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"config": self.config, "bucket": self.bucket, "prefix": self.prefix, "url": self.url}
@@ -351,14 +353,30 @@ class S3Storage(Storage):
         self.call("HeadBucket", self.url, lambda: self.client.head_bucket(Bucket=self.bucket))
 
     def create(self, name: str) -> WriteStream:
+        self._blocks.forget(self.key(name))
         return _S3WriteStream(self, self.key(name), self.describe(name))
 
     def write_atomic(self, name: str, data: bytes) -> None:
         # A PutObject replaces the object atomically: readers see the old or the new bytes.
+        self._blocks.forget(self.key(name))
         self.put(self.key(name), self.describe(name), data)
 
     def read_range(self, name: str, offset: int, length: int) -> Buffer:
-        return self.read_ranges(name, [(offset, length)])[0]
+        block = self.config.readahead_size
+        if not block or not 0 < length < block or offset < 0:
+            return self.read_ranges(name, [(offset, length)])[0]
+        key, where = self.key(name), self.describe(name)
+        return self._blocks.read(key, offset, length, block, lambda i: self._fetch_block(key, where, i), where)
+
+    def _fetch_block(self, key: str, where: str, index: int) -> bytes:
+        block = self.config.readahead_size
+        buf = bytearray(block)
+        try:
+            got = self.call("GetObject", where, lambda: self._get_into(key, where, index * block, memoryview(buf)))
+        except TruncatedCheckpointError:
+            return b""  # the block starts past the end of the object
+        del buf[got:]
+        return buf  # type: ignore[return-value]
 
     def read_ranges(self, name: str, ranges: Sequence[tuple[int, int]]) -> list[Buffer]:
         key, where = self.key(name), self.describe(name)
@@ -458,6 +476,8 @@ class S3Storage(Storage):
 
     def delete(self, names: Iterable[str]) -> None:
         keys = [self.key(n) for n in names]
+        for key in keys:
+            self._blocks.forget(key)
         for i in range(0, len(keys), S3_MAX_DELETE_KEYS):
             batch = keys[i : i + S3_MAX_DELETE_KEYS]
             request = {"Objects": [{"Key": k} for k in batch], "Quiet": True}

@@ -58,6 +58,11 @@ class S3Config:
         read_part_size: a ranged read larger than this is split into concurrent GETs of this size.
         coalesce_gap: ranges of one object closer than this many bytes are fetched by one GET
             (reading a gap costs less than another request's latency).
+        readahead_size: a single ``read_range`` smaller than this fetches the aligned block of
+            this size around it and keeps it for the next reads (the DCP reader asks for one item
+            at a time, in file order: without readahead every item would cost a GET). 0 disables.
+        readahead_blocks: blocks kept (least recently used evicted); memory up to
+            ``readahead_size x readahead_blocks`` per storage object.
         checksum: ``"CRC32C"`` (``x-amz-checksum-crc32c`` on every PUT and part; S3 verifies it) or
             ``"MD5"`` (``Content-MD5``; for S3-compatible stores without flexible checksums).
         retry_mode, max_attempts: botocore's retry policy per HTTP request (throttling ``SlowDown``,
@@ -83,6 +88,8 @@ class S3Config:
     max_concurrency: int = 16
     read_part_size: int = 16 * MiB
     coalesce_gap: int = 1 * MiB
+    readahead_size: int = 8 * MiB
+    readahead_blocks: int = 8
     checksum: Literal["CRC32C", "MD5"] = "CRC32C"
     retry_mode: Literal["standard", "adaptive", "legacy"] = "standard"
     max_attempts: int = 8
@@ -126,6 +133,10 @@ class S3Config:
         _int_in("max_concurrency", self.max_concurrency, 1, 1024)
         _int_in("read_part_size", self.read_part_size, 64 * KiB, S3_MAX_PART_SIZE)
         _int_in("coalesce_gap", self.coalesce_gap, 0, 1 * GiB)
+        _int_in("readahead_size", self.readahead_size, 0, S3_MAX_PART_SIZE)
+        if 0 < self.readahead_size < 4 * KiB:
+            raise ValueError(f"S3Config.readahead_size must be 0 (off) or at least 4 KiB, got {self.readahead_size}")
+        _int_in("readahead_blocks", self.readahead_blocks, 1, 4096)
 
     def _check_retries(self) -> None:
         _int_in("max_attempts", self.max_attempts, 1, 100)

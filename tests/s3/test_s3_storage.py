@@ -300,3 +300,17 @@ def test_access_denied_and_bad_credentials(s3env: S3Env, moto_s3) -> None:
         _no_secret(info2.value)
     finally:
         moto_s3.set_auth(None)
+
+
+def test_readahead_serves_sequential_small_reads_with_few_gets(s3env: S3Env) -> None:
+    data = _data(40 * P + 99)
+    S3Storage(s3env.url("ra"), **FAST).write_atomic("f", data)
+    items = [(off, min(3000, len(data) - off)) for off in range(0, len(data), 3000)]
+    with FaultProxy(s3env.endpoint) as proxy:
+        store = S3Storage(s3env.url("ra"), endpoint_url=proxy.endpoint, readahead_size=8 * P, max_concurrency=4)
+        got = list(store.pool.map(lambda r: bytes(store.read_range("f", *r)), items))
+        assert got == [data[o : o + n] for o, n in items]
+        assert proxy.requests["GET"] == 6  # ceil(size / 8P) blocks, not one GET per read
+    assert len(store._blocks) == 0  # every block was read through, so none is kept
+    with pytest.raises(MissingDataFileError):
+        store.read_range("absent", 0, 10)

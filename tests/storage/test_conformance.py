@@ -191,3 +191,12 @@ def test_second_instance_and_pickle_see_the_same_objects(backend: Backend, store
     clone = pickle.loads(pickle.dumps(store))
     assert clone.url == store.url and bytes(clone.read_range("x", 3, 4)) == b"load"
     clone.prepare()  # idempotent
+
+
+def test_replaced_object_reads_new_bytes(store: Storage) -> None:
+    _write(store, "f", DATA[:3000], pieces=())
+    assert bytes(store.read_range("f", 100, 50)) == DATA[100:150]
+    _write(store, "f", DATA[5000:8000], pieces=())
+    assert bytes(store.read_range("f", 100, 50)) == DATA[5100:5150]
+    store.write_atomic("f", b"z" * 200)
+    assert bytes(store.read_range("f", 100, 50)) == b"z" * 50
