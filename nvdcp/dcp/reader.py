@@ -37,10 +37,16 @@ from nvdcp.dcp.metadata_io import load_metadata
 from nvdcp.dcp.writer import METADATA_NAME
 from nvdcp.errors import CorruptCheckpointError
 from nvdcp.format.dtypes import code_dtype
-from nvdcp.format.header import KIND_BYTES, KIND_TENSOR, ItemHeader
+from nvdcp.format.header import (
+    KIND_BYTES,
+    KIND_TENSOR,
+    ItemHeader,
+    item_header_size,
+    parse_item_header_only,
+)
 from nvdcp.gpu import gpu_available
 from nvdcp.gpu.config import GpuConfig
-from nvdcp.pipeline.cpu import decode_item, verify_chunks
+from nvdcp.pipeline.cpu import decode_item
 from nvdcp.report import Report
 from nvdcp.storage import Storage, open_storage
 
@@ -208,7 +214,10 @@ class NvcompReader(StorageReader):
         cache = self._decoders.__dict__.setdefault("by_device", {})
         if device not in cache:
             budget = self.gpu.gpu_budget(device) // self.thread_count
-            cache[device] = GpuDecoder(device, budget_bytes=budget, gdeflate_type=self.gpu.gdeflate_algorithm_type)
+            cache[device] = GpuDecoder(
+                device, budget_bytes=budget, gdeflate_type=self.gpu.gdeflate_algorithm_type,
+                pinned_bytes=self.gpu.pinned_memory_bytes // self.thread_count,
+            )
         return cache[device]
 
     def load_item(
@@ -238,27 +247,50 @@ class NvcompReader(StorageReader):
         from nvdcp.gpu.decoder import DecodeRequest
 
         requests = []
-        expected = []
         t0 = time.perf_counter()
         stored = 0
         for index in indexes:
             name, offset, length = self.record_of(index)
             where = self.where(index)
-            record = self.storage.read_range(name, offset, length)
+            header = self._read_header(name, offset, length, where)
             stored += length
-            header = verify_chunks(memoryview(record), where)
             dtype, shape = self._expected(index)
             element_size = _element_size(dtype)
             if header.transform and header.n_planes != element_size:
                 raise CorruptCheckpointError(f"{where}: {header.n_planes} byte planes for {element_size}-byte elements")
             self._check_against_metadata(header, dtype, shape, element_size, where)
-            payload = np.frombuffer(record, dtype=np.uint8)[header.header_bytes :]
-            requests.append(DecodeRequest(payload, header, dtype, where))
+            requests.append(DecodeRequest(header, dtype, where, fill=self._chunk_filler(name, offset, header)))
         t1 = time.perf_counter()
         outs = self._gpu_decoder(device).decode_many(requests)
         raw = sum(r.header.raw_nbytes for r in requests)
         report.add(raw, stored, read_s=t1 - t0, decode_s=time.perf_counter() - t1)
         return [(ix, r.header, out) for ix, r, out in zip(indexes, requests, outs)]
+
+    def _read_header(self, name: str, offset: int, length: int, where: str) -> ItemHeader:
+        """Fetch and validate just an item's header (the GPU path reads chunks straight into staging)."""
+        prefix = memoryview(self.storage.read_range(name, offset, min(length, 1 << 16)))
+        size = item_header_size(prefix, where)
+        if size > length:
+            raise CorruptCheckpointError(f"{where}: header of {size} bytes in a record of {length}")
+        if size > len(prefix):
+            prefix = memoryview(self.storage.read_range(name, offset, size))
+        header = parse_item_header_only(prefix, where)
+        if header.header_bytes + header.stored_nbytes != length:
+            raise CorruptCheckpointError(
+                f"{where}: chunks hold {header.stored_nbytes} bytes, record has {length - header.header_bytes}"
+            )
+        return header
+
+    def _chunk_filler(self, name: str, offset: int, header: ItemHeader) -> Callable[[int, list[memoryview]], None]:
+        starts = [0]
+        for size, _ in header.chunks:
+            starts.append(starts[-1] + size)
+        payload_at = offset + header.header_bytes
+
+        def fill(first_chunk: int, buffers: list[memoryview]) -> None:
+            self.storage.read_into(name, payload_at + starts[first_chunk], buffers)
+
+        return fill
 
     def _gpu_batches(
         self, order: list[MetadataIndex], devices: dict[MetadataIndex, torch.device | None]

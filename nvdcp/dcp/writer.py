@@ -30,6 +30,7 @@ from torch.futures import Future
 
 from nvdcp.codecs import codec_name
 from nvdcp.dcp import descriptor
+from nvdcp.dcp.stager import StagedShard, WriterStagingMixin, release_staged
 from nvdcp.errors import CheckpointExistsError
 from nvdcp.format.dtypes import dtype_code
 from nvdcp.codecs import GPU_ONLY
@@ -94,7 +95,7 @@ def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8)
 
 
-class NvcompWriter(StorageWriter):
+class NvcompWriter(WriterStagingMixin, StorageWriter):
     """Writes a DCP checkpoint whose items are compressed (nvCOMP on the GPU, CPU codecs otherwise).
 
     Args:
@@ -111,6 +112,10 @@ class NvcompWriter(StorageWriter):
         gpu: bounds and choices of the GPU path (:class:`~nvdcp.gpu.config.GpuConfig`); tensors
             on a CUDA device are compressed there with nvCOMP when ``nvidia-nvcomp-cu12`` is
             installed, other tensors on the CPU.
+
+    It is also a DCP ``AsyncStager`` (:class:`~nvdcp.dcp.stager.WriterStagingMixin`):
+    ``dcp.async_save`` stages through nvdcp's stager, and ``write_data`` writes the items that
+    stager pre-encoded as they are.
 
     Raises:
         UnknownCodecError: ``codec`` names no codec (a ``ValueError``).
@@ -206,14 +211,20 @@ class NvcompWriter(StorageWriter):
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             self._caller_event = torch.cuda.Event()
             self._caller_event.record(torch.cuda.current_stream())
-        if len(buckets) == 1:
-            results = self._write_file(names[0], buckets[0], planner, report)
-        else:
-            with ThreadPoolExecutor(len(buckets), thread_name_prefix="nvdcp-file") as files:
-                futures = [
-                    files.submit(self._write_file, n, b, planner, report) for n, b in zip(names, buckets)
-                ]
-                results = [r for f in futures for r in f.result()]
+        self._staged: list[StagedShard] = []
+        try:
+            if len(buckets) == 1:
+                results = self._write_file(names[0], buckets[0], planner, report)
+            else:
+                with ThreadPoolExecutor(len(buckets), thread_name_prefix="nvdcp-file") as files:
+                    futures = [
+                        files.submit(self._write_file, n, b, planner, report) for n, b in zip(names, buckets)
+                    ]
+                    results = [r for f in futures for r in f.result()]
+        finally:
+            # Staged bytes are never read after this: their host buffers go back to the stager.
+            release_staged(self._staged)
+            self._staged = []
         report.seconds = time.perf_counter() - started
         self.last_report = report
         logger.debug("rank %d wrote %s", self.rank, report.summary())
@@ -309,6 +320,7 @@ class NvcompWriter(StorageWriter):
                 device, chunk_bytes=self.chunk_bytes,
                 budget_bytes=self.gpu.gpu_budget(device) // self.thread_count,
                 gdeflate_type=self.gpu.gdeflate_algorithm_type, pool=self._codec_pool(),
+                pinned_bytes=self.gpu.pinned_memory_bytes // self.thread_count,
             )
             for job, encoded in encoder.encode(device_jobs, ready):
                 write(job.key, encoded)
@@ -343,6 +355,13 @@ class NvcompWriter(StorageWriter):
                 torch.cuda.current_stream().wait_event(self._caller_event)
             for item in items:
                 data = planner.resolve_data(item)
+                if isinstance(data, StagedShard):  # from NvcompStager (dcp.async_save)
+                    self._staged.append(data)
+                    if data.encoded is not None:
+                        clock[0] = time.perf_counter()
+                        write(item, data.encoded)
+                        continue
+                    data = data.tensor
                 if isinstance(data, torch.Tensor) and self._on_gpu(data):
                     gpu_jobs.append(self._gpu_job(item, data))
                     continue

@@ -3,14 +3,14 @@ and the byte planes are merged back into elements on the device.
 
 Many items are decoded together: their chunks share one staging buffer, one host-to-device copy
 and one nvCOMP call per codec, which matters for the hundreds of small tensors (biases, norms)
-of a model. Items larger than the scratch budget are decoded in block ranges. The caller has
-already checked each item header and every chunk's CRC32C on the host
-(:func:`nvdcp.pipeline.cpu.verify_chunks`), so nvCOMP never sees bytes that differ from what
-was written.
+of a model. Items larger than the scratch budget are decoded in block ranges. Chunk bytes land
+in their staging slots straight from storage (a scatter read), and each chunk's CRC32C is checked
+there before the copy to the device, so nvCOMP never sees bytes that differ from what was written.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import nvidia.nvcomp as nv
@@ -19,19 +19,35 @@ import torch
 
 from nvdcp.codecs import codec_name
 from nvdcp.errors import CorruptCheckpointError
-from nvdcp.format.header import TRANSFORM_BYTEPLANES, ItemHeader
+from nvdcp.format.header import TRANSFORM_BYTEPLANES, ItemHeader, checksum
 from nvdcp.gpu.nvcomp_codecs import CodecCache, typed_data_type
 from nvdcp.gpu.pinned import POOL
 
 
 @dataclass
 class DecodeRequest:
-    """One item to decode: its chunk payload (the bytes after its header) and what it holds."""
+    """One item to decode: its header, what it holds, and where its chunk bytes come from.
 
-    payload: np.ndarray
+    ``payload`` holds the chunk bytes (everything after the header) in memory; or ``fill`` reads
+    them straight into staging: ``fill(first_chunk, buffers)`` fills ``buffers`` with the stored
+    bytes of chunks ``first_chunk, first_chunk + 1, ...`` (a scatter read from storage).
+    """
+
     header: ItemHeader
     dtype: torch.dtype | None
     where: str
+    payload: np.ndarray | None = None
+    fill: Callable[[int, list[memoryview]], None] | None = None
+
+    def read_chunks(self, first: int, offsets: np.ndarray, buffers: list[memoryview]) -> None:
+        if self.fill is not None:
+            self.fill(first, buffers)
+            return
+        assert self.payload is not None
+        pos = int(offsets[first])
+        for buf in buffers:
+            buf[:] = self.payload[pos : pos + len(buf)].data
+            pos += len(buf)
 
 
 @dataclass
@@ -50,16 +66,18 @@ class _Segment:
 class GpuDecoder:
     """Decodes container records into raw element bytes on one device (one per thread)."""
 
-    def __init__(self, device: torch.device, *, budget_bytes: int, gdeflate_type: int = 0) -> None:
+    def __init__(self, device: torch.device, *, budget_bytes: int, gdeflate_type: int = 0,
+                 pinned_bytes: int = 512 << 20) -> None:
         self.device = device
-        self.budget = budget_bytes
+        # A pass holds staging + decoded slots on the device and its staging in pinned memory.
+        self.budget = min(budget_bytes, 2 * pinned_bytes)
         self.gdeflate_type = gdeflate_type
         self.stream = torch.cuda.Stream(device)
         self.codecs: dict[int, CodecCache] = {}
 
     def decode(self, payload: np.ndarray, header: ItemHeader, dtype: torch.dtype | None, where: str) -> torch.Tensor:
-        """Decode one item; returns a flat uint8 tensor of ``header.raw_nbytes`` on this device."""
-        return self.decode_many([DecodeRequest(payload, header, dtype, where)])[0]
+        """Decode one in-memory item; returns a flat uint8 tensor of ``header.raw_nbytes`` here."""
+        return self.decode_many([DecodeRequest(header, dtype, where, payload=payload)])[0]
 
     def decode_many(self, requests: list[DecodeRequest]) -> list[torch.Tensor]:
         """Decode several items in as few passes (staging copies, nvCOMP calls) as the budget allows."""
@@ -95,7 +113,7 @@ class GpuDecoder:
         n = sum(seg.slots for seg in segments)
         staging = POOL.acquire(n * c)
         try:
-            host = staging.numpy()
+            host = memoryview(staging.numpy())
             raw_sizes: list[int] = []
             groups: dict[tuple[str, str | None], list[int]] = {}
             raw_slots: list[int] = []
@@ -103,13 +121,22 @@ class GpuDecoder:
             for seg in segments:
                 h = seg.req.header
                 p = h.n_planes
-                for i in range(seg.first * p, seg.last * p):
-                    size = h.chunks[i][0]
+                first, last = seg.first * p, seg.last * p
+                views = [host[(k + j) * c : (k + j) * c + h.chunks[i][0]] for j, i in enumerate(range(first, last))]
+                seg.req.read_chunks(first, seg.offsets, views)
+                for j, i in enumerate(range(first, last)):
+                    size, crc = h.chunks[i]
+                    if checksum(views[j]) != crc:
+                        block, plane = divmod(i, p)
+                        raise CorruptCheckpointError(
+                            f"{seg.req.where}: chunk {i} (block {block}, plane {plane}) checksum mismatch"
+                        )
                     raw = h.block_elements(i // p)
-                    host[k * c : k * c + size] = seg.req.payload[seg.offsets[i] : seg.offsets[i] + size]
                     raw_sizes.append(raw)
                     if size == raw:
                         raw_slots.append(k)
+                    elif size > raw:
+                        raise CorruptCheckpointError(f"{seg.req.where}: chunk {i} stores {size} bytes for {raw} raw")
                     else:
                         name = codec_name(h.plane_codecs[i % p])
                         groups.setdefault((name, typed_data_type(name, seg.req.dtype)), []).append(k)

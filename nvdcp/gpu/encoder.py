@@ -76,11 +76,13 @@ class GpuEncoder:
     """Encodes CUDA tensors into container records (one encoder per device and writer thread)."""
 
     def __init__(self, device: torch.device, *, chunk_bytes: int, budget_bytes: int,
-                 gdeflate_type: int, pool: Executor | None) -> None:
+                 gdeflate_type: int, pool: Executor | None, pinned_bytes: int = 512 << 20) -> None:
         self.device = device
         self.chunk_bytes = chunk_bytes
         # Two buckets are in flight at once (one compressing, one being copied out).
-        self.bucket_budget = max(budget_bytes // 2, 8 * chunk_bytes * 16)
+        self.bucket_budget = max(budget_bytes // 2, 16 * chunk_bytes * 16)
+        # A bucket's slots cross to one pinned buffer; two are held at once.
+        self.max_slots = max(16 * 16, pinned_bytes // 2 // chunk_bytes)
         self.gdeflate_type = gdeflate_type
         self.pool = pool
         self.streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
@@ -106,7 +108,7 @@ class GpuEncoder:
             b = 0
             while b < blocks:
                 cur = buckets[-1]
-                room = (self.bucket_budget - cur.cost) // per_block
+                room = min((self.bucket_budget - cur.cost) // per_block, (self.max_slots - cur.slots) // job.n_planes)
                 if room <= 0 and cur.segments:
                     buckets.append(_Bucket())
                     continue

@@ -77,6 +77,19 @@ class Storage(ABC):
         """Several ranges of one object; backends with request overheads coalesce them."""
         return [self.read_range(name, off, n) for off, n in ranges]
 
+    def read_into(self, name: str, offset: int, buffers: Sequence[memoryview]) -> None:
+        """Fill ``buffers`` in order with the bytes at ``offset`` (a scatter read).
+
+        The GPU reader uses it to land chunks directly in their 64 KiB staging slots. The
+        default reads one range and copies; local storage scatters with ``preadv``.
+        """
+        total = sum(len(b) for b in buffers)
+        data = memoryview(self.read_range(name, offset, total))
+        pos = 0
+        for b in buffers:
+            b[:] = data[pos : pos + len(b)]
+            pos += len(b)
+
     @abstractmethod
     def read(self, name: str) -> bytes:
         """A whole (small) object. Missing objects raise ``FileNotFoundError`` subclasses."""
@@ -96,6 +109,10 @@ class Storage(ABC):
     @abstractmethod
     def delete(self, names: Iterable[str]) -> None:
         """Delete objects; names that are already gone are ignored."""
+
+    def list_children(self) -> list[str]:
+        """Names of the sub-locations directly under the root (checkpoints of a run)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot list sub-locations")
 
     def describe(self, name: str) -> str:
         """How messages name one object."""

@@ -1,0 +1,609 @@
+"""``NvcompStager``: the staging step of ``dcp.async_save``, compressing on the GPU.
+
+``dcp.async_save`` first *stages* the state dict (makes a copy that later training steps cannot
+change), then saves that copy in the background. torch's ``DefaultStager`` copies every tensor
+to host memory. ``NvcompStager.stage`` instead compresses each tensor shard where it lives (nvCOMP
+on the GPU), copies only the compressed bytes into host buffers that it keeps and reuses across
+saves, and returns; the background save then just writes those bytes. Without a GPU it copies
+tensors into the same reusable host buffers (``cpu_mode="copy"``, compression happens in the
+background) or compresses them on the CPU (``cpu_mode="compress"``).
+
+How DCP sees the staged state dict: the same nesting, with every tensor replaced by a
+:class:`StagedTensor`, a storage-less (``meta``) ``torch.Tensor`` subclass of the original's
+global shape and dtype. Being a tensor, DCP flattens and traverses it exactly like the original
+(same keys, lists of tensors stay lists of tensors). It implements DCP's checkpointable hooks:
+``__create_write_items__`` returns the write items torch computed for the original (DTensor and
+ShardedTensor shards, uneven and empty shards, replicated tensors deduplicated as usual), so the
+``.metadata`` is the one a plain save would write; ``__get_tensor_shard__`` returns the
+:class:`StagedShard` that ``planner.resolve_data`` hands to :class:`~nvdcp.NvcompWriter`, which
+writes its pre-encoded record as is (or compresses its host copy). Other leaves (numbers, strings,
+tuples, param groups) are deep-copied, tensors inside them to the CPU, as DefaultStager does.
+A staged state dict can only be saved by ``NvcompWriter``.
+
+Memory: one :class:`HostBuffers` per stager, reused by every save. It keeps up to
+``buffer_bytes`` (pinned when CUDA is present); a save that needs more gets temporary pageable
+memory for the rest, freed when that save's data is written. Buffers of save N are reused by
+save N+1 only once save N no longer needs them: ``stage`` waits for that (the writer releases them
+when its ``write_data`` ends, or they are released when the staged dict is garbage-collected at
+the end of the save).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import gc
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import WriteItem
+
+from nvdcp.codecs import GPU_ONLY
+from nvdcp.format.dtypes import dtype_code
+from nvdcp.format.header import DEFAULT_CHUNK_BYTES, KIND_TENSOR, ItemHeader
+from nvdcp.gpu import gpu_available
+from nvdcp.gpu.config import GpuConfig
+from nvdcp.pipeline.cpu import EncodedItem, encode_item
+from nvdcp.pipeline.policy import GPU_AUTO_CODEC, choose_layout, validate_codec_choice
+
+logger = logging.getLogger(__name__)
+
+MiB = 1 << 20
+GiB = 1 << 30
+_ALIGN = 64
+CPU_MODES = ("copy", "compress")
+
+
+# -- host buffers ------------------------------------------------------------------------------
+class HostBuffers:
+    """Byte buffers kept across saves: segments carved front to back, reset before each save.
+
+    Segments are pinned when ``pin`` is true (needs CUDA). At most ``keep_bytes`` of segments are
+    kept; allocations beyond that come from temporary pageable segments dropped at :meth:`reset`.
+    """
+
+    def __init__(self, keep_bytes: int, segment_bytes: int = 64 * MiB, pin: bool = False) -> None:
+        self.keep_bytes = keep_bytes
+        self.segment_bytes = segment_bytes
+        self.pin = pin
+        self._kept: list[torch.Tensor] = []
+        self._temp: list[torch.Tensor] = []
+        self._cursor = [0, 0]  # segment index into kept + temp, offset in it
+        self.kept_bytes = 0
+        self.used_bytes = 0
+        self.temp_bytes = 0
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.kept_bytes if self.pin else 0
+
+    def reset(self) -> None:
+        self._temp.clear()
+        self._cursor = [0, 0]
+        self.used_bytes = 0
+        self.temp_bytes = 0
+
+    def close(self) -> None:
+        self.reset()
+        self._kept.clear()
+        self.kept_bytes = 0
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` bytes as a uint8 tensor, starting at a 64-byte aligned address."""
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        segments = self._kept + self._temp
+        seg, pos = self._cursor
+        while seg < len(segments):
+            if pos + nbytes <= segments[seg].numel():
+                return self._take(segments, seg, pos, nbytes)
+            seg, pos = seg + 1, 0
+        size = max(self.segment_bytes, nbytes)
+        if seg == len(self._kept) and self.kept_bytes + size <= self.keep_bytes:
+            # Still inside the kept run: grow it (kept segments always precede temporary ones).
+            self._kept.append(torch.empty(size, dtype=torch.uint8, pin_memory=self.pin))
+            self.kept_bytes += size
+        else:
+            self._temp.append(torch.empty(size, dtype=torch.uint8))
+            self.temp_bytes += size
+        return self._take(self._kept + self._temp, len(self._kept) + len(self._temp) - 1, 0, nbytes)
+
+    def _take(self, segments: list[torch.Tensor], seg: int, pos: int, nbytes: int) -> torch.Tensor:
+        self._cursor = [seg, pos + -(-nbytes // _ALIGN) * _ALIGN]
+        self.used_bytes += nbytes
+        return segments[seg][pos : pos + nbytes]
+
+
+# -- what the staged state dict holds ----------------------------------------------------------
+class StagedShard:
+    """One write item's staged data: a pre-encoded record, or a host copy to compress later."""
+
+    __slots__ = ("encoded", "tensor", "lease", "__weakref__")
+
+    def __init__(self, encoded: EncodedItem | None = None, tensor: torch.Tensor | None = None,
+                 lease: _Lease | None = None) -> None:
+        self.encoded = encoded
+        self.tensor = tensor
+        self.lease = lease
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes this shard holds."""
+        if self.encoded is not None:
+            return self.encoded.nbytes
+        return 0 if self.tensor is None else self.tensor.numel() * self.tensor.element_size()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # async_save PROCESS mode pickles the staged dict into the checkpoint process: send the
+        # bytes themselves (the host buffers stay here and are reused).
+        if self.encoded is not None:
+            e = self.encoded
+            return (_rebuild_encoded, (e.header, e.header_bytes, b"".join(bytes(c) for c in e.chunks)))
+        assert self.tensor is not None
+        t = self.tensor
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        return (_rebuild_tensor, (raw, t.dtype, tuple(t.shape)))
+
+    def __repr__(self) -> str:
+        what = "encoded" if self.encoded is not None else "host copy"
+        return f"StagedShard({what}, {self.nbytes} bytes)"
+
+
+def _rebuild_encoded(header: ItemHeader, header_bytes: bytes, payload: bytes) -> StagedShard:
+    return StagedShard(EncodedItem(header, header_bytes, [payload]))
+
+
+def _rebuild_tensor(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> StagedShard:
+    flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+    return StagedShard(tensor=flat.view(dtype).reshape(shape))
+
+
+class StagedTensor(torch.Tensor):
+    """Stands in for one tensor of the state dict: no data here, its shards are staged.
+
+    A ``meta`` tensor of the original's (global) shape and dtype, so DCP traverses it as it would
+    the original; ``__create_write_items__`` and ``__get_tensor_shard__`` are DCP's hooks for
+    checkpointable objects (DTensor implements the same two).
+    """
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+    _nvdcp_items: list[WriteItem]
+    _nvdcp_shards: dict[tuple[int, ...] | None, StagedShard]
+
+    @staticmethod
+    def __new__(cls, shape: tuple[int, ...], dtype: torch.dtype, items: list[WriteItem],
+                shards: dict[tuple[int, ...] | None, StagedShard]) -> StagedTensor:
+        t = torch.Tensor._make_subclass(cls, torch.empty(shape, dtype=dtype, device="meta"))
+        t._nvdcp_items = items
+        t._nvdcp_shards = shards
+        return t
+
+    def __create_write_items__(self, fqn: str, object: Any) -> list[WriteItem]:
+        return [
+            dataclasses.replace(item, index=MetadataIndex(fqn, item.index.offset, item.index.index))
+            for item in self._nvdcp_items
+        ]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> StagedShard:
+        key = None if index.offset is None else tuple(index.offset)
+        try:
+            return self._nvdcp_shards[key]
+        except KeyError:
+            raise ValueError(f"{index.fqn!r}: no staged shard at offset {key}") from None
+
+    @property
+    def staged_shards(self) -> list[StagedShard]:
+        return list(self._nvdcp_shards.values())
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        return (StagedTensor, (tuple(self.shape), self.dtype, self._nvdcp_items, self._nvdcp_shards))
+
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:
+        return f"StagedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, shards={len(self._nvdcp_shards)})"
+
+
+class _Lease:
+    """The host buffers of one staged state dict; released once, explicitly or when collected."""
+
+    def __init__(self, stager: NvcompStager, generation: int) -> None:
+        self._finalizer = weakref.finalize(self, stager._release, generation)
+
+    def release(self) -> None:
+        self._finalizer()
+
+
+def release_staged(shards: list[StagedShard]) -> None:
+    """Hand the host buffers behind ``shards`` back to their stager (the writer calls this once
+    its ``write_data`` is over: nothing reads staged bytes after that)."""
+    for lease in {id(s.lease): s.lease for s in shards if s.lease is not None}.values():
+        lease.release()
+
+
+# -- the stager --------------------------------------------------------------------------------
+@dataclasses.dataclass
+class StageStats:
+    """What the last :meth:`NvcompStager.stage` did; ``seconds`` is the time the caller was blocked."""
+
+    seconds: float = 0.0
+    wait_seconds: float = 0.0
+    raw_bytes: int = 0
+    staged_bytes: int = 0
+    shards: int = 0
+    gpu_shards: int = 0
+    compressed_shards: int = 0
+    copied_shards: int = 0
+    pinned_bytes: int = 0
+    temp_bytes: int = 0
+
+    @property
+    def ratio(self) -> float:
+        return self.raw_bytes / self.staged_bytes if self.staged_bytes else 1.0
+
+
+class NvcompStager:
+    """DCP ``AsyncStager`` that compresses on the GPU into reusable host buffers.
+
+    Use with ``dcp.async_save(state_dict, storage_writer=nvdcp.NvcompWriter(url),
+    async_stager=stager)``; one stager serves every save of a run (its buffers are reused), close
+    it at the end. ``NvcompWriter`` itself is an ``AsyncStager`` that delegates to a stager shared
+    per process, so ``async_stager`` may be left out.
+
+    Args:
+        codec: as :class:`~nvdcp.NvcompWriter`'s ``codec`` (``"auto"``: GDeflate byte planes on the
+            GPU, zstd on the CPU).
+        chunk_bytes: uncompressed bytes per chunk (1 KiB..64 KiB).
+        gpu: GPU path settings; ``gpu_memory_bytes`` bounds the scratch GPU memory of compression.
+        cpu_mode: for tensors not compressed on a GPU: ``"copy"`` (a host copy now, compressed by
+            the background save; the shortest stall) or ``"compress"`` (compressed now on the
+            CPU; the background save only writes).
+        buffer_bytes: host buffer memory kept across saves, pinned when CUDA is present. A save
+            whose staged bytes exceed it uses temporary pageable memory for the rest.
+        codec_threads: CPU threads for CPU compression and checksums (default: all cores).
+        wait_timeout_s: how long ``stage`` waits for the previous save to release the buffers.
+            After that it logs a warning and stages into fresh buffers (the old ones are freed
+            when that save's objects go away), so a failed save can never hang training.
+    """
+
+    _synchronize_after_execute: bool = False
+
+    def __init__(
+        self,
+        *,
+        codec: str = "auto",
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        gpu: GpuConfig | None = None,
+        cpu_mode: str = "copy",
+        buffer_bytes: int = GiB,
+        codec_threads: int | None = None,
+        wait_timeout_s: float = 300.0,
+    ) -> None:
+        if cpu_mode not in CPU_MODES:
+            raise ValueError(f"cpu_mode must be one of {CPU_MODES}, got {cpu_mode!r}")
+        if not 1024 <= chunk_bytes <= (1 << 16):
+            raise ValueError(f"chunk_bytes must be within 1 KiB..64 KiB, got {chunk_bytes}")
+        if buffer_bytes < 0:
+            raise ValueError(f"buffer_bytes must be >= 0, got {buffer_bytes}")
+        self.codec = validate_codec_choice(codec)
+        self.chunk_bytes = chunk_bytes
+        self.gpu = gpu or GpuConfig()
+        self.cpu_mode = cpu_mode
+        self.buffer_bytes = buffer_bytes
+        self.codec_threads = codec_threads or os.cpu_count() or 1
+        self.wait_timeout_s = wait_timeout_s
+        self.last_stats: StageStats | None = None
+        self._init_runtime()
+
+    def _init_runtime(self) -> None:
+        # Nothing here touches CUDA: a stager may be built (and pickled) before any GPU work.
+        self._lock = threading.Lock()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._generation = 0
+        self._buffers: HostBuffers | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._encoders: dict[torch.device, Any] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        keep = ("codec", "chunk_bytes", "gpu", "cpu_mode", "buffer_bytes", "codec_threads", "wait_timeout_s")
+        return {k: self.__dict__[k] for k in keep} | {"last_stats": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_runtime()
+
+    # -- AsyncStager protocol ------------------------------------------------------------------
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        """False: :meth:`stage` returns only when the staged copy is complete."""
+        return self._synchronize_after_execute
+
+    def synchronize_staging(self) -> None:
+        """Nothing to do: staging is synchronous."""
+
+    def close(self) -> None:
+        """Wait for the last save to release the buffers, then free them."""
+        self.wait()
+        with self._lock:
+            if self._buffers is not None:
+                self._buffers.close()
+            self._buffers = None
+            self._encoders.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Return a staged copy of ``state_dict`` that later training steps cannot change.
+
+        Blocks for: waiting until the previous save released the buffers, GPU compression and the
+        copy of the compressed bytes to host memory (or, without a GPU, the host copy / CPU
+        compression).
+        """
+        started = time.perf_counter()
+        lease = self._acquire()
+        stats = StageStats(wait_seconds=time.perf_counter() - started)
+        try:
+            assert self._buffers is not None
+            gpu_jobs: list[Any] = []
+            copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+            staged = self._walk(state_dict, (), lease, gpu_jobs, copies, stats)
+            if copies:
+                self._finish_copies(copies)
+            if gpu_jobs:
+                self._encode_on_gpu(gpu_jobs, stats)
+        except BaseException:
+            lease.release()
+            raise
+        stats.seconds = time.perf_counter() - started
+        stats.pinned_bytes = self._buffers.pinned_bytes
+        stats.temp_bytes = self._buffers.temp_bytes
+        self.last_stats = stats
+        logger.info(
+            "nvdcp staged %d shards (%d on GPU, %d compressed on CPU, %d copied): %d -> %d bytes "
+            "(ratio %.3f) in %.3fs (%.3fs waiting for the previous save); pinned %d, temporary %d",
+            stats.shards, stats.gpu_shards, stats.compressed_shards, stats.copied_shards,
+            stats.raw_bytes, stats.staged_bytes, stats.ratio, stats.seconds, stats.wait_seconds,
+            stats.pinned_bytes, stats.temp_bytes,
+        )
+        return staged
+
+    # -- buffers and their lease ---------------------------------------------------------------
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the last staged state dict's buffers are released; False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        collected = False
+        while True:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if self._idle.wait(1.0 if remaining is None else max(0.0, min(1.0, remaining))):
+                return True
+            if not collected:
+                # The staged dict may only be held by a reference cycle (a failed save's traceback).
+                gc.collect()
+                collected = True
+            if remaining is not None and remaining <= 0:
+                return False
+
+    def _acquire(self) -> _Lease:
+        if not self.wait(self.wait_timeout_s):
+            logger.warning(
+                "nvdcp: the previous async save still holds its staging buffers after %.0fs (did it "
+                "fail, or was its future not waited for?); staging into fresh buffers",
+                self.wait_timeout_s,
+            )
+            with self._lock:
+                self._buffers = None  # the old ones go away with the save that holds them
+                self._generation += 1
+        with self._lock:
+            if self._buffers is None:
+                self._buffers = HostBuffers(self.buffer_bytes, pin=torch.cuda.is_available())
+            self._buffers.reset()
+            self._generation += 1
+            self._idle.clear()
+            return _Lease(self, self._generation)
+
+    def _release(self, generation: int) -> None:
+        with self._lock:
+            if generation != self._generation:
+                return
+            if self._buffers is not None:
+                self._buffers.reset()  # temporary memory goes now; kept segments stay for reuse
+            self._idle.set()
+
+    def _codec_pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.codec_threads, thread_name_prefix="nvdcp-stage")
+        return self._pool
+
+    # -- the walk: same structure, tensors become StagedTensors --------------------------------
+    def _walk(self, obj: Any, path: tuple[Any, ...], lease: _Lease, gpu_jobs: list[Any],
+              copies: list[tuple[torch.Tensor, torch.Tensor]], stats: StageStats) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return self._stage_tensor(obj, path, lease, gpu_jobs, copies, stats)
+        if isinstance(obj, Mapping):
+            return {k: self._walk(v, (*path, k), lease, gpu_jobs, copies, stats) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [self._walk(v, (*path, i), lease, gpu_jobs, copies, stats) for i, v in enumerate(obj)]
+        # DCP pickles every other leaf whole (tuples included): a deep copy on the host.
+        return _host_deepcopy(obj)
+
+    def _stage_tensor(self, obj: torch.Tensor, path: tuple[Any, ...], lease: _Lease, gpu_jobs: list[Any],
+                      copies: list[tuple[torch.Tensor, torch.Tensor]], stats: StageStats) -> StagedTensor:
+        from torch.distributed.checkpoint.planner_helpers import _create_write_items
+        from torch.distributed.checkpoint.utils import find_tensor_shard
+        from torch.distributed.tensor import DTensor
+
+        where = ".".join(map(str, path))
+        if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
+            items: list[WriteItem] = []  # this rank holds no part of it (DCP skips it too)
+        else:
+            items = _create_write_items(where, obj)
+        shards: dict[tuple[int, ...] | None, StagedShard] = {}
+        for item in items:
+            data = find_tensor_shard(obj, item.index).detach()
+            try:
+                code = dtype_code(data.dtype)
+            except ValueError as exc:
+                raise ValueError(f"state_dict entry {where!r}: {exc}") from None
+            shard = StagedShard(lease=lease)
+            shards[None if item.index.offset is None else tuple(item.index.offset)] = shard
+            nbytes = data.numel() * data.element_size()
+            stats.shards += 1
+            stats.raw_bytes += nbytes
+            if data.is_cuda and gpu_available():
+                gpu_jobs.append(self._gpu_job(shard, data, code))
+                stats.gpu_shards += 1
+            elif self.cpu_mode == "compress" and not data.is_cuda and self.codec not in GPU_ONLY:
+                shard.encoded = self._keep(self._encode_on_cpu(data, code))
+                stats.compressed_shards += 1
+                stats.staged_bytes += shard.encoded.nbytes
+            else:
+                shard.tensor = self._copy_to_host(data, copies)
+                stats.copied_shards += 1
+                stats.staged_bytes += nbytes
+        items = [dataclasses.replace(i, index=MetadataIndex("", i.index.offset, i.index.index)) for i in items]
+        return StagedTensor(tuple(obj.shape), obj.dtype, items, shards)
+
+    # -- host copies -----------------------------------------------------------------------------
+    def _copy_to_host(self, data: torch.Tensor, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        assert self._buffers is not None
+        nbytes = data.numel() * data.element_size()
+        dst = self._buffers.alloc(nbytes).view(data.dtype).reshape(data.shape)
+        copies.append((dst, data))
+        return dst
+
+    @staticmethod
+    def _finish_copies(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        devices = set()
+        for dst, src in copies:
+            if src.numel():
+                dst.copy_(src.resolve_conj().resolve_neg(), non_blocking=src.is_cuda and dst.is_pinned())
+                if src.is_cuda:
+                    devices.add(src.device)
+        for device in devices:
+            torch.cuda.current_stream(device).synchronize()
+
+    def _keep(self, encoded: EncodedItem) -> EncodedItem:
+        """Copy an encoded item's chunks into the host buffers (they may view memory that is
+        about to be reused: the encoder's pinned slots, or the source tensor itself)."""
+        assert self._buffers is not None
+        total = sum(len(c) for c in encoded.chunks)
+        buf = memoryview(self._buffers.alloc(total).numpy()) if total else memoryview(b"")
+        views = []
+        pos = 0
+        for c in encoded.chunks:
+            n = len(c)
+            buf[pos : pos + n] = c
+            views.append(buf[pos : pos + n])
+            pos += n
+        return EncodedItem(encoded.header, encoded.header_bytes, views)
+
+    # -- CPU compression -------------------------------------------------------------------------
+    def _encode_on_cpu(self, data: torch.Tensor, code: int) -> EncodedItem:
+        from nvdcp.dcp.writer import tensor_to_host_bytes
+
+        raw = tensor_to_host_bytes(data)
+        return encode_item(
+            raw, kind=KIND_TENSOR, dtype_code=code, shape=tuple(data.shape),
+            element_size=data.element_size(), layout=choose_layout(data.dtype, self.codec),
+            pool=self._codec_pool(), chunk_bytes=self.chunk_bytes,
+        )
+
+    # -- GPU compression -------------------------------------------------------------------------
+    def _gpu_job(self, shard: StagedShard, data: torch.Tensor, code: int) -> Any:
+        from nvdcp.gpu.encoder import GpuJob
+
+        t = data.resolve_conj().resolve_neg()
+        flat = (t.contiguous().reshape(-1).view(torch.uint8) if t.numel()
+                else torch.empty(0, dtype=torch.uint8, device=t.device))
+        layout = choose_layout(t.dtype, self.codec, auto_codec=GPU_AUTO_CODEC)
+        return GpuJob(shard, flat, layout, t.dtype, code, tuple(t.shape), KIND_TENSOR)
+
+    def _encoder(self, device: torch.device) -> Any:
+        from nvdcp.gpu.encoder import GpuEncoder
+
+        if device not in self._encoders:
+            self._encoders[device] = GpuEncoder(
+                device, chunk_bytes=self.chunk_bytes, budget_bytes=self.gpu.gpu_budget(device),
+                gdeflate_type=self.gpu.gdeflate_algorithm_type, pool=self._codec_pool(),
+            )
+        return self._encoders[device]
+
+    def _encode_on_gpu(self, jobs: list[Any], stats: StageStats) -> None:
+        by_device: dict[torch.device, list[Any]] = {}
+        for job in jobs:
+            by_device.setdefault(job.data.device, []).append(job)
+        for device, device_jobs in by_device.items():
+            # The encoder's streams wait for everything queued so far on the caller's stream
+            # (the optimizer step that produced the tensors); draining encode() means every
+            # read of the tensors has finished before stage() returns and training goes on.
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(device))
+            for job, encoded in self._encoder(device).encode(device_jobs, ready):
+                job.key.encoded = self._keep(encoded)
+                stats.staged_bytes += job.key.encoded.nbytes
+        jobs.clear()
+
+
+def _host_deepcopy(obj: Any) -> Any:
+    """A deep copy with every tensor copied to the CPU (DefaultStager does the same)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_host_deepcopy(v) for v in obj)
+    if isinstance(obj, dict):
+        return {k: _host_deepcopy(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_host_deepcopy(v) for v in obj]
+    return copy.deepcopy(obj)
+
+
+# -- NvcompWriter as an AsyncStager ------------------------------------------------------------
+_SHARED: dict[tuple[Any, ...], NvcompStager] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_stager(*, codec: str, chunk_bytes: int, gpu: GpuConfig, codec_threads: int | None = None) -> NvcompStager:
+    """The process-wide stager for these settings (writers made per save share its buffers)."""
+    key = (codec, chunk_bytes, gpu, codec_threads)
+    with _SHARED_LOCK:
+        if key not in _SHARED:
+            _SHARED[key] = NvcompStager(codec=codec, chunk_bytes=chunk_bytes, gpu=gpu, codec_threads=codec_threads)
+        return _SHARED[key]
+
+
+class WriterStagingMixin:
+    """Makes :class:`~nvdcp.NvcompWriter` a DCP ``AsyncStager``: ``dcp.async_save(sd,
+    storage_writer=NvcompWriter(url))`` stages through the process-wide :func:`shared_stager`
+    for the writer's codec, chunk size and GPU settings (CPU fallback: host copies)."""
+
+    _synchronize_after_execute: bool = False
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any] | Future[dict[str, Any]]:
+        return shared_stager(
+            codec=self.codec, chunk_bytes=self.chunk_bytes, gpu=self.gpu,  # type: ignore[attr-defined]
+            codec_threads=self.codec_threads,  # type: ignore[attr-defined]
+        ).stage(state_dict)
+
+    def synchronize_staging(self) -> None:
+        """Nothing to do: staging is synchronous."""
+
+    def close(self) -> None:
+        """Nothing to do: the shared stager outlives the writer."""
+
+
+__all__ = [
+    "HostBuffers", "NvcompStager", "StageStats", "StagedShard", "StagedTensor", "WriterStagingMixin",
+    "release_staged", "shared_stager",
+]
