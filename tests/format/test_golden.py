@@ -46,3 +46,44 @@ def test_golden_state_is_still_what_was_committed() -> None:
 def test_golden_files_pass_verification(codec: str) -> None:
     report = nvdcp.verify_checkpoint(GOLDEN / codec)
     assert report.ok, report.damaged
+
+
+def _golden_target() -> dict[str, object]:
+    sd = golden_state()
+    for v in sd.values():
+        if isinstance(v, torch.Tensor):
+            v.zero_() if v.dtype != torch.bool else v.fill_(False)
+    sd["extra"] = io.BytesIO()
+    sd["step"] = 0
+    return sd
+
+
+def test_gpu_written_checkpoint_loads_on_the_cpu() -> None:
+    """Written on the H200 with the default codec (GDeflate planes by nvCOMP); decoded here by
+    libnvcomp_cpu when this machine has no GPU."""
+    expected = json.loads((GOLDEN / "expected.json").read_text())
+    sd = _golden_target()
+    from nvdcp.gpu.config import GpuConfig
+
+    dcp.load(sd, storage_reader=nvdcp.NvcompReader(GOLDEN / "gpu_auto", gpu=GpuConfig(decode_device="cpu")))
+    for k, v in sd.items():
+        if isinstance(v, torch.Tensor):
+            assert digest(v) == expected[k], k
+    md = nvdcp.NvcompReader(GOLDEN / "gpu_auto").read_metadata()
+    codecs = {info.transform_descriptors[0] for info in md.storage_data.values()}
+    assert "nvdcp.gdeflate/1" in codecs
+
+
+def test_gpu_only_codec_without_gpu_is_refused_by_name() -> None:
+    from nvdcp.gpu import gpu_available
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if gpu_available():
+        pytest.skip("this machine can decode ANS")
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(_golden_target(), storage_reader=nvdcp.NvcompReader(GOLDEN / "gpu_ans"))
+    from tests.dcp.helpers import failure_of
+
+    err = failure_of(info.value)
+    assert isinstance(err, nvdcp.CodecUnavailableError)
+    assert "'ans'" in str(err) and "model." in str(err)
