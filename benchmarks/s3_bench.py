@@ -109,7 +109,11 @@ def start_moto() -> tuple[str, RequestCounter, Any]:
     """A threaded moto S3 server on 127.0.0.1 behind the counter; returns (endpoint, counter, server)."""
     import logging
 
-    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+    from moto.moto_server.werkzeug_app import (
+        DomainDispatcherApplication,
+        MotoRequestHandler,
+        create_backend_app,
+    )
     from werkzeug.serving import make_server
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
@@ -211,7 +215,7 @@ def _importable(variant: str, env: dict[str, str]) -> str | None:
     module = {"nvdcp-fsspec": "s3fs", "torch-fsspec": "s3fs", "s3torchconnector": "s3torchconnector.dcp"}.get(variant)
     if module is None:
         return None
-    probe = subprocess.run([sys.executable, "-c", f"import {module}"], env=env, capture_output=True, text=True)
+    probe = subprocess.run([sys.executable, "-c", f"import {module}"], env=env, capture_output=True, text=True, check=False)
     if probe.returncode:
         return f"cannot import {module}: {probe.stderr.strip().splitlines()[-1]}"
     return None
@@ -222,7 +226,7 @@ def run_phase(variant: str, phase: str, url: str, endpoint: str, state_path: str
     counter.reset()
     cmd = [sys.executable, __file__, "--worker", phase, "--variant", variant, "--url", url,
            "--endpoint", endpoint, "--state", state_path]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     row: dict[str, Any] = {"variant": variant, "phase": phase, **counter.snapshot()}
     if proc.returncode:
         row["error"] = (proc.stderr.strip().splitlines() or ["no output"])[-1][:300]
@@ -242,16 +246,22 @@ def stored_bytes(endpoint: str, prefix: str) -> int:
 
 
 NOTES = [
-    "One run per variant; save and load each in a fresh subprocess. moto runs in the driver process on the "
-    "same cores, so wall times compare clients against one server, not against AWS.",
+    (
+        "One run per variant; save and load each in a fresh subprocess. moto runs in the driver process on "
+        "the same cores, so wall times compare clients against one server, not against AWS."
+    ),
     "requests/bytes are counted by a WSGI wrapper around moto: every HTTP request and body byte each way.",
     "moto reads a whole object for every ranged GET, so many small ranged GETs cost far more here than on S3.",
-    "s3torchconnector: installed with pip install --no-deps --target DIR s3torchconnector==1.5.0 "
-    "s3torchconnectorclient==1.5.0 tenacity and put on PYTHONPATH (a plain install would replace the "
-    "environment's torch); its DCP classes take no endpoint, so the bench swaps in "
-    "S3Client(endpoint=..., force_path_style=True). It stores torch.save bytes uncompressed, like torch-fsspec.",
-    "peak_rss_MB is the worker's largest resident set sampled every 5 ms during dcp.save/dcp.load; "
-    "rss_before_MB includes torch and the state dict (loads hold the reference state and the target).",
+    (
+        "s3torchconnector: installed with pip install --no-deps --target DIR s3torchconnector==1.5.0 "
+        "s3torchconnectorclient==1.5.0 tenacity and put on PYTHONPATH (a plain install would replace the "
+        "environment's torch); its DCP classes take no endpoint, so the bench swaps in "
+        "S3Client(endpoint=..., force_path_style=True). It stores torch.save bytes uncompressed, like torch-fsspec."
+    ),
+    (
+        "peak_rss_MB is the worker's largest resident set sampled every 5 ms during dcp.save/dcp.load; "
+        "rss_before_MB includes torch and the state dict (loads hold the reference state and the target)."
+    ),
 ]
 
 

@@ -32,8 +32,7 @@ def open_storage(path: str | os.PathLike[str], *, sync: bool = True, **options: 
         ValueError: an unknown backend or option, or a malformed URL.
     """
     spec = os.fspath(path)
-    if spec.startswith("file://"):
-        spec = spec[len("file://") :]
+    spec = spec.removeprefix("file://")
     if "://" not in spec:
         if options:
             raise ValueError(f"local storage takes no options, got {sorted(options)}")

@@ -78,7 +78,7 @@ class BlockCache:
         if owner:
             try:
                 fut.set_result(fetch())
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001 - handed to every waiting thread
                 fut.set_exception(exc)
                 with self._lock:
                     if self._entries.get(slot) is fut:

@@ -28,8 +28,10 @@ classes whose messages name the ``s3://`` URL and never contain credentials.
 from __future__ import annotations
 
 import base64
+import builtins
 import concurrent.futures as cf
 import errno
+import functools
 import hashlib
 import logging
 import os
@@ -445,9 +447,9 @@ class S3Storage(Storage):
         data, resp = self.call("GetObject", where, get)
         stored = resp.get("ChecksumCRC32C")
         # A composite (multipart) checksum ends in "-<parts>" and covers part checksums, not the bytes.
-        if stored and "-" not in stored and resp.get("ChecksumType", "FULL_OBJECT") == "FULL_OBJECT":
-            if _crc32c_b64(data) != stored:
-                raise CorruptCheckpointError(f"{where}: CRC32C of the downloaded bytes does not match S3's record")
+        full_object = stored and "-" not in stored and resp.get("ChecksumType", "FULL_OBJECT") == "FULL_OBJECT"
+        if full_object and _crc32c_b64(data) != stored:
+            raise CorruptCheckpointError(f"{where}: CRC32C of the downloaded bytes does not match S3's record")
         return data
 
     def size(self, name: str) -> int:
@@ -482,11 +484,11 @@ class S3Storage(Storage):
             batch = keys[i : i + S3_MAX_DELETE_KEYS]
             request = {"Objects": [{"Key": k} for k in batch], "Quiet": True}
             resp = self.call(
-                "DeleteObjects", self.url, lambda r=request: self.client.delete_objects(Bucket=self.bucket, Delete=r)
+                "DeleteObjects", self.url, functools.partial(self.client.delete_objects, Bucket=self.bucket, Delete=request)
             )
             self._raise_delete_errors(resp.get("Errors") or [])
 
-    def _raise_delete_errors(self, errors: list[dict[str, Any]]) -> None:
+    def _raise_delete_errors(self, errors: builtins.list[dict[str, Any]]) -> None:
         from botocore.exceptions import ClientError
 
         # Keys already gone are fine (S3 does not even report them); anything else is not.
@@ -498,7 +500,7 @@ class S3Storage(Storage):
             raise translate_error(fake, where, f"DeleteObjects ({len(errors)} keys failed)", self._secrets())
 
     # -- housekeeping --------------------------------------------------------------------------
-    def incomplete_uploads(self) -> list[dict[str, Any]]:
+    def incomplete_uploads(self) -> builtins.list[dict[str, Any]]:
         """Multipart uploads under this prefix that were never completed nor aborted.
 
         A writer killed mid-save leaves one per open data file; they are invisible to readers but
@@ -507,9 +509,9 @@ class S3Storage(Storage):
         """
         lead = f"{self.prefix}/" if self.prefix else ""
 
-        def pages() -> list[dict[str, Any]]:
+        def pages() -> builtins.list[dict[str, Any]]:
             paginator = self.client.get_paginator("list_multipart_uploads")
-            found: list[dict[str, Any]] = []
+            found: builtins.list[dict[str, Any]] = []
             for page in paginator.paginate(Bucket=self.bucket, Prefix=lead):
                 found += page.get("Uploads", [])
             return found
@@ -527,10 +529,10 @@ class S3Storage(Storage):
             if now - up["Initiated"].timestamp() < older_than_s:
                 continue
             where = f"s3://{self.bucket}/{up['Key']}"
-            self.call(
-                "AbortMultipartUpload", where,
-                lambda u=up: self.client.abort_multipart_upload(Bucket=self.bucket, Key=u["Key"], UploadId=u["UploadId"]),
+            abort = functools.partial(
+                self.client.abort_multipart_upload, Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"]
             )
+            self.call("AbortMultipartUpload", where, abort)
             count += 1
         return count
 
@@ -716,11 +718,11 @@ class _S3WriteStream(WriteStream):
         """Abort after a failure without hiding that failure behind a second one."""
         try:
             self.abort()
-        except Exception as exc:  # the original error is the one to raise; this one is logged
+        except Exception as exc:  # noqa: BLE001 - the original error is the one to raise; this one is logged
             logger.warning(
                 "%s: could not abort the multipart upload after a failure (%s); a bucket lifecycle rule "
                 "AbortIncompleteMultipartUpload or S3Storage.abort_incomplete_uploads() removes it", self._where, exc,
             )
 
 
-__all__ = ["S3Storage", "S3Config", "parse_s3_url", "translate_error", "coalesce", "is_retryable"]
+__all__ = ["S3Config", "S3Storage", "coalesce", "is_retryable", "parse_s3_url", "translate_error"]

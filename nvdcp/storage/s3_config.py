@@ -178,4 +178,4 @@ def _int_in(name: str, value: Any, low: int, high: int) -> None:
         raise ValueError(f"S3Config.{name} must be an integer within {low}..{high}, got {value!r}")
 
 
-__all__ = ["S3Config", "S3_MIN_PART_SIZE", "S3_MAX_PART_SIZE", "S3_MAX_PARTS", "S3_MAX_OBJECT_SIZE"]
+__all__ = ["S3_MAX_OBJECT_SIZE", "S3_MAX_PARTS", "S3_MAX_PART_SIZE", "S3_MIN_PART_SIZE", "S3Config"]

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import pytest
+
 # moto reads this when it is imported; it lowers S3's 5 MiB minimum part size so tests can make
 # uploads of many parts from little data. Non-final parts in the tests are at least this big.
 TEST_MIN_PART = 32 * 1024
@@ -215,7 +217,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     _local = threading.local()
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet
+    def log_message(self, format: str, *args: Any) -> None:
         pass
 
     def do_GET(self) -> None:
@@ -300,8 +302,6 @@ class _ProxyHandler(BaseHTTPRequestHandler):
 
 
 # -- pytest fixtures (imported by the conftest files of tests/storage and tests/s3) -------------
-import pytest  # noqa: E402
-
 
 @pytest.fixture(scope="session")
 def moto_s3() -> Any:

@@ -19,7 +19,7 @@ def test_s3_bench_tiny(tmp_path: Path) -> None:
     pytest.importorskip("s3fs")
     cmd = [sys.executable, str(SCRIPT), "--size", "tiny", "--variants", "nvdcp-boto3,torch-fsspec",
            "--out", str(tmp_path), "--timeout", "120"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=220)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=220, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| nvdcp-boto3 | save |" in proc.stdout
     (result,) = tmp_path.glob("s3_*.json")

@@ -25,7 +25,15 @@ from nvdcp.storage.s3 import S3Storage
 from tests._dist import run_ranks
 from tests.conftest import bit_equal, random_tensor, weights_like
 from tests.dcp.helpers import empty_like_sd, failure_of
-from tests.s3.s3_testkit import FAKE_SECRET, TEST_MIN_PART, FaultPlan, FaultProxy, S3Env, is_upload_part, moto_min_part_size
+from tests.s3.s3_testkit import (
+    FAKE_SECRET,
+    TEST_MIN_PART,
+    FaultPlan,
+    FaultProxy,
+    S3Env,
+    is_upload_part,
+    moto_min_part_size,
+)
 
 pytestmark = pytest.mark.s3
 

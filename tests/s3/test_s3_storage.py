@@ -11,7 +11,6 @@ import boto3
 import numpy as np
 import pytest
 from botocore.exceptions import ClientError
-from tests.s3.s3_testkit import FAKE_SECRET, TEST_MIN_PART, FaultPlan, FaultProxy, S3Env, is_upload_part, moto_min_part_size
 
 from nvdcp.errors import (
     BucketNotFoundError,
@@ -23,6 +22,15 @@ from nvdcp.errors import (
 from nvdcp.storage import open_storage
 from nvdcp.storage.s3 import S3Storage, coalesce, parse_s3_url, translate_error
 from nvdcp.storage.s3_config import S3_MAX_OBJECT_SIZE, S3_MAX_PART_SIZE, S3Config
+from tests.s3.s3_testkit import (
+    FAKE_SECRET,
+    TEST_MIN_PART,
+    FaultPlan,
+    FaultProxy,
+    S3Env,
+    is_upload_part,
+    moto_min_part_size,
+)
 
 pytestmark = pytest.mark.s3
 
@@ -78,6 +86,32 @@ def test_config_defaults_reach_s3_object_limit_and_hide_secrets() -> None:
     assert FAKE_SECRET not in repr(cfg) and "AKIA0000" not in repr(cfg)
     with pytest.raises(ValueError, match="unknown S3 storage option"):
         open_storage("s3://bucket/x", part_sise=5 << 20)
+
+
+def test_open_storage_picks_backend_and_merges_config() -> None:
+    from nvdcp.storage.fsspec_store import FsspecStorage
+
+    store = open_storage("s3://bucket/x", config=S3Config(part_size=32 << 20, max_attempts=3), max_attempts=5)
+    assert isinstance(store, S3Storage) and store.config.part_size == 32 << 20 and store.config.max_attempts == 5
+    assert isinstance(open_storage("s3://bucket/x", backend="fsspec"), FsspecStorage)
+    assert isinstance(open_storage("memory://x"), FsspecStorage)
+    with pytest.raises(ValueError, match="unknown storage backend"):
+        open_storage("s3://bucket/x", backend="minio")
+    with pytest.raises(ValueError, match="s3:// URLs only"):
+        open_storage("memory://x", backend="boto3")
+    with pytest.raises(TypeError, match="S3Config"):
+        open_storage("s3://bucket/x", config={"part_size": 1})
+
+
+def test_fsspec_protocol_without_its_package_says_what_to_install() -> None:
+    try:
+        import gcsfs  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("gcsfs is installed")
+    with pytest.raises(ImportError, match="gcsfs"):
+        open_storage("gs://bucket/ckpt")
 
 
 @pytest.mark.parametrize("url", ["s3://A_Bad/x", "s3://ab", "s3://bucket..x/y", "gs://bucket", "s3://b/a//b"])

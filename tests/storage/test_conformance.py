@@ -13,10 +13,10 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from tests.s3.s3_testkit import TEST_MIN_PART, S3Env, moto_min_part_size
 
 from nvdcp.errors import CorruptCheckpointError, MissingDataFileError, TruncatedCheckpointError
 from nvdcp.storage import Storage, open_storage
+from tests.s3.s3_testkit import TEST_MIN_PART, S3Env, moto_min_part_size
 
 DATA = np.random.default_rng(0).bytes(5 * TEST_MIN_PART + 1234)  # several parts of the S3 stream
 
