@@ -141,7 +141,7 @@ def codec_stage(state: Any, cfg: GpuConfig) -> dict[str, float]:
     payloads = [(np.frombuffer(b"".join(chunks), dtype=np.uint8), header, job) for job, _, chunks, header in items]
     from nvdcp.gpu.decoder import DecodeRequest
 
-    requests = [DecodeRequest(p, h, j.dtype, "bench") for p, h, j in payloads]
+    requests = [DecodeRequest(h, j.dtype, "bench", payload=p) for p, h, j in payloads]
     decoder.decode_many(requests)  # warm-up: codec creation
     t_dec = timed_sync(lambda: decoder.decode_many(requests))
     stored = sum(h.stored_nbytes + len(hb) for _, hb, _, h in items)

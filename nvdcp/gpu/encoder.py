@@ -80,7 +80,7 @@ class GpuEncoder:
         self.device = device
         self.chunk_bytes = chunk_bytes
         # Two buckets are in flight at once (one compressing, one being copied out).
-        self.bucket_budget = max(budget_bytes // 2, 16 * chunk_bytes * 16)
+        self.bucket_budget = max(budget_bytes // 2, 64 * chunk_bytes)
         # A bucket's slots cross to one pinned buffer; two are held at once.
         self.max_slots = max(16 * 16, pinned_bytes // 2 // chunk_bytes)
         self.gdeflate_type = gdeflate_type
