@@ -114,17 +114,16 @@ def _pad4(n: int) -> int:
     return (-n) % 4
 
 
-def parse_item_header(buf: memoryview, where: str) -> ItemHeader:
-    """Parse and validate the item record at the start of ``buf`` (the item's stored bytes).
+def item_header_size(prefix: memoryview, where: str) -> int:
+    """Declared size of the item header at the start of ``prefix``, its fixed fields validated.
 
-    ``where`` names the file and item for error messages. Checks, in order: enough bytes for the
-    fixed part, magic, version, field ranges, the declared header size against ``len(buf)``, the
-    header CRC, then chunk sizes against the payload that follows.
+    Needs only the first ``ITEM_FIXED_SIZE`` bytes: tells a reader how many bytes to fetch to
+    parse the whole header (:func:`parse_item_header_only`) without fetching the payload.
     """
-    if len(buf) < _ITEM_FIXED.size:
-        raise TruncatedCheckpointError(f"{where}: item record is {len(buf)} bytes, shorter than its header")
+    if len(prefix) < _ITEM_FIXED.size:
+        raise TruncatedCheckpointError(f"{where}: item record is {len(prefix)} bytes, shorter than its header")
     (magic, version, kind, dtype_code, transform, n_planes, ndim, _r, chunk_bytes, raw_nbytes,
-     header_bytes) = _ITEM_FIXED.unpack_from(buf, 0)
+     header_bytes) = _ITEM_FIXED.unpack_from(prefix, 0)
     if magic != ITEM_MAGIC:
         raise CorruptCheckpointError(f"{where}: bad item magic {bytes(magic)!r}")
     if version > FORMAT_VERSION:
@@ -147,25 +146,52 @@ def parse_item_header(buf: memoryview, where: str) -> ItemHeader:
         raise CorruptCheckpointError(
             f"{where}: header claims {header_bytes} bytes but its fields need {expected}"
         )
+    return int(header_bytes)
+
+
+ITEM_FIXED_SIZE = _ITEM_FIXED.size
+
+
+def parse_item_header_only(buf: memoryview, where: str) -> ItemHeader:
+    """Parse and validate the item header at the start of ``buf``, which may end anywhere after it.
+
+    The same checks as :func:`parse_item_header` (fields, declared size, header CRC) except the
+    last: chunk sizes are not compared with a payload, so ``buf`` can be a prefix of the item
+    (``item_header_size`` bytes or more) fetched to inspect it without reading its data.
+    """
+    header_bytes = item_header_size(buf, where)
     if header_bytes > len(buf):
         raise TruncatedCheckpointError(
             f"{where}: header needs {header_bytes} bytes, only {len(buf)} present"
         )
+    (_m, version, kind, dtype_code, transform, n_planes, ndim, _r, chunk_bytes, raw_nbytes,
+     _hb) = _ITEM_FIXED.unpack_from(buf, 0)
     (stored_crc,) = _CRC.unpack_from(buf, header_bytes - _CRC.size)
     if checksum(buf[: header_bytes - _CRC.size]) != stored_crc:
         raise CorruptCheckpointError(f"{where}: item header checksum mismatch")
+    n_chunks = n_planes * (-(-(raw_nbytes // n_planes) // chunk_bytes))
     off = _ITEM_FIXED.size
     shape = struct.unpack_from(f"<{ndim}Q", buf, off)
     off += 8 * ndim
     plane_codecs = tuple(buf[off : off + n_planes])
     off += n_planes + _pad4(n_planes)
     chunks = tuple(_CHUNK.iter_unpack(buf[off : off + _CHUNK.size * n_chunks]))
-    header = ItemHeader(
+    return ItemHeader(
         kind=kind, dtype_code=dtype_code, shape=tuple(shape), raw_nbytes=raw_nbytes,
         transform=transform, plane_codecs=plane_codecs, chunks=chunks,  # type: ignore[arg-type]
         chunk_bytes=chunk_bytes, version=version, header_bytes=header_bytes,
     )
-    payload = len(buf) - header_bytes
+
+
+def parse_item_header(buf: memoryview, where: str) -> ItemHeader:
+    """Parse and validate the item record at the start of ``buf`` (the item's stored bytes).
+
+    ``where`` names the file and item for error messages. Checks, in order: enough bytes for the
+    fixed part, magic, version, field ranges, the declared header size against ``len(buf)``, the
+    header CRC, then chunk sizes against the payload that follows.
+    """
+    header = parse_item_header_only(buf, where)
+    payload = len(buf) - header.header_bytes
     if header.stored_nbytes != payload:
         cls = TruncatedCheckpointError if header.stored_nbytes > payload else CorruptCheckpointError
         raise cls(f"{where}: chunks hold {header.stored_nbytes} bytes, record has {payload}")

@@ -1,0 +1,333 @@
+"""Codec benchmark: ratio and throughput of every codec this machine runs, per dtype.
+
+Input is either the CPU reference workload (the tiny GPT of :mod:`nvdcp.demo.model` trained a
+few steps with AdamW: weights and both moments, in fp32 and in a bf16 copy) or any checkpoint,
+read item by item. Each tensor goes through the same item encoder the writer uses (byte planes +
+codec, CRC32C per chunk) and back through the decoder, checked bit-exact. Throughput is
+uncompressed bytes per second of wall time, summed per codec and dtype.
+
+The results schema (``--json``, ``benchmarks/codec_bench.py``) is :func:`BenchResult.as_dict`.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from nvdcp.codecs import GPU_ONLY, cpu_codec
+from nvdcp.errors import CodecUnavailableError, CorruptCheckpointError
+from nvdcp.format.dtypes import dtype_code
+from nvdcp.format.header import DEFAULT_CHUNK_BYTES, KIND_TENSOR
+from nvdcp.gpu import gpu_available
+from nvdcp.pipeline.cpu import decode_item, encode_item
+from nvdcp.pipeline.policy import choose_layout
+
+SCHEMA = "nvdcp.codec_bench/1"
+CPU_CODECS = ("none", "zstd", "gdeflate")
+GPU_CODECS = ("gdeflate", "zstd", "ans", "bitcomp")
+
+
+@dataclass
+class Row:
+    """One codec on one device over every tensor of one dtype."""
+
+    codec: str
+    device: str
+    dtype: str
+    items: int = 0
+    raw_bytes: int = 0
+    stored_bytes: int = 0
+    encode_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def ratio(self) -> float:
+        return self.raw_bytes / self.stored_bytes if self.stored_bytes else 1.0
+
+    @property
+    def encode_gbps(self) -> float | None:
+        return self.raw_bytes / self.encode_s / 1e9 if self.encode_s else None
+
+    @property
+    def decode_gbps(self) -> float | None:
+        return self.raw_bytes / self.decode_s / 1e9 if self.decode_s else None
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(
+            ratio=round(self.ratio, 4),
+            encode_gbps=None if self.encode_gbps is None else round(self.encode_gbps, 4),
+            decode_gbps=None if self.decode_gbps is None else round(self.decode_gbps, 4),
+            encode_s=round(self.encode_s, 5), decode_s=round(self.decode_s, 5),
+        )
+        return d
+
+
+@dataclass
+class BenchResult:
+    source: dict[str, Any]
+    rows: list[Row] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def totals(self) -> list[Row]:
+        """One row per codec and device over all dtypes."""
+        out: dict[tuple[str, str], Row] = {}
+        for r in self.rows:
+            t = out.setdefault((r.codec, r.device), Row(r.codec, r.device, "all"))
+            t.items += r.items
+            t.raw_bytes += r.raw_bytes
+            t.stored_bytes += r.stored_bytes
+            t.encode_s += r.encode_s
+            t.decode_s += r.decode_s
+        return list(out.values())
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "machine": machine(),
+            "source": self.source,
+            "results": [r.as_dict() for r in self.rows],
+            "totals": [r.as_dict() for r in self.totals()],
+            "skipped": self.skipped,
+        }
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "cores": os.cpu_count(), "arch": platform.machine(), "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+    if gpu_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    from nvdcp.gpu_info import nvcomp_version
+
+    info["nvcomp"] = nvcomp_version()
+    return info
+
+
+# -- inputs ------------------------------------------------------------------------------------
+def reference_state(*, steps: int, d_model: int, layers: int, batch: int = 8, seed: int = 0) -> dict[str, Any]:
+    """The CPU reference workload (as benchmarks/workload.py ``train_state`` on the CPU):
+    a byte-level GPT trained ``steps`` steps with AdamW on the standard library's sources."""
+    from nvdcp.demo.model import GPT, GPTConfig, batch_for_step, lr_at, stdlib_bytes
+
+    torch.manual_seed(seed)
+    cfg = GPTConfig(d_model=d_model, n_layers=layers, n_heads=max(1, d_model // 64))
+    model = GPT(cfg)
+    optim = torch.optim.AdamW(model.parameters(), lr=6e-4, weight_decay=0.1)
+    data = stdlib_bytes(4 << 20)
+    for step in range(steps):
+        x, y = batch_for_step(data, step, 0, 1, batch, cfg.context, seed)
+        for g in optim.param_groups:
+            g["lr"] = lr_at(step, total=steps)
+        model(x, y).backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+    return {"model": model.state_dict(), "optim": optim.state_dict()}
+
+
+def flat_tensors(state: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(state, torch.Tensor):
+        yield prefix, state.detach()
+    elif isinstance(state, dict):
+        for k, v in state.items():
+            yield from flat_tensors(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(state, (list, tuple)):
+        for i, v in enumerate(state):
+            yield from flat_tensors(v, f"{prefix}.{i}" if prefix else str(i))
+
+
+def workload_tensors(state: dict[str, Any], bf16: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """The state's tensors, then (``bf16``) a bf16 copy of every floating tensor of dim >= 1."""
+    tensors = list(flat_tensors(state))
+    yield from tensors
+    if bf16:
+        for name, t in tensors:
+            if t.is_floating_point() and t.dim() > 0 and t.dtype != torch.bfloat16:
+                yield f"{name}@bf16", t.to(torch.bfloat16)
+
+
+def checkpoint_tensors(path: str, storage_options: dict[str, Any] | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every stored tensor chunk of a checkpoint (stock DCP or nvdcp), one at a time."""
+    from nvdcp.cli.conversion import Source
+
+    source = Source(path, threads=1, storage_options=storage_options)
+    for job in sorted(source.jobs(), key=lambda j: (j.info.relative_path, j.info.offset)):
+        if job.dtype is None or job.shape is None:
+            continue
+        raw = source.read(job)
+        tensor = torch.from_numpy(raw).view(job.dtype).reshape(job.shape) if raw.size else torch.empty(job.shape, dtype=job.dtype)
+        yield job.index.fqn, tensor
+
+
+# -- codecs ------------------------------------------------------------------------------------
+class _CpuRunner:
+    device = "cpu"
+
+    def __init__(self, codec: str, pool: ThreadPoolExecutor, chunk_bytes: int) -> None:
+        cpu_codec(codec)  # raises CodecUnavailableError when its library is missing
+        self.codec, self.pool, self.chunk_bytes = codec, pool, chunk_bytes
+
+    def run(self, t: torch.Tensor) -> tuple[int, float, float]:
+        raw = t.contiguous().reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
+        layout = choose_layout(t.dtype, self.codec)
+        t0 = time.perf_counter()
+        enc = encode_item(raw, kind=KIND_TENSOR, dtype_code=dtype_code(t.dtype), shape=tuple(t.shape),
+                          element_size=t.element_size(), layout=layout, pool=self.pool, chunk_bytes=self.chunk_bytes)
+        t1 = time.perf_counter()
+        record = b"".join([enc.header_bytes, *enc.chunks])  # the writer streams the parts instead
+        d0 = time.perf_counter()
+        _, back = decode_item(memoryview(record), self.codec, self.pool, t.element_size())
+        t2 = time.perf_counter()
+        if not np.array_equal(back, raw):
+            raise CorruptCheckpointError(f"codec {self.codec}: round trip is not bit-exact")
+        return len(record), t1 - t0, t2 - d0
+
+
+class _GpuRunner:
+    device = "cuda"
+
+    def __init__(self, codec: str, pool: ThreadPoolExecutor, chunk_bytes: int) -> None:
+        from nvdcp.gpu.config import GpuConfig
+        from nvdcp.gpu.decoder import GpuDecoder
+        from nvdcp.gpu.encoder import GpuEncoder
+
+        self.codec, self.chunk_bytes = codec, chunk_bytes
+        self.dev = torch.device("cuda", torch.cuda.current_device())
+        budget = GpuConfig().gpu_budget(self.dev)
+        self.encoder = GpuEncoder(self.dev, chunk_bytes=chunk_bytes, budget_bytes=budget, gdeflate_type=0, pool=pool)
+        self.decoder = GpuDecoder(self.dev, budget_bytes=budget)
+
+    def run(self, t: torch.Tensor) -> tuple[int, float, float]:
+        from nvdcp.format.header import parse_item_header
+        from nvdcp.gpu.encoder import GpuJob
+
+        src = t.to(self.dev).contiguous()
+        flat = src.reshape(-1).view(torch.uint8) if src.numel() else torch.empty(0, dtype=torch.uint8, device=self.dev)
+        layout = choose_layout(t.dtype, self.codec, auto_codec=self.codec)
+        job = GpuJob(None, flat, layout, t.dtype, dtype_code(t.dtype), tuple(t.shape))
+        torch.cuda.synchronize(self.dev)
+        t0 = time.perf_counter()
+        record = b""
+        for _, enc in self.encoder.encode([job]):
+            record = b"".join([enc.header_bytes, *enc.chunks])  # on the host, as the writer has it
+        t1 = time.perf_counter()
+        header = parse_item_header(memoryview(record), self.codec)
+        payload = np.frombuffer(record, dtype=np.uint8)[header.header_bytes :]
+        back = self.decoder.decode(payload, header, t.dtype, self.codec)
+        torch.cuda.synchronize(self.dev)
+        t2 = time.perf_counter()
+        if not torch.equal(back, flat):
+            raise CorruptCheckpointError(f"GPU codec {self.codec}: round trip is not bit-exact")
+        return len(record), t1 - t0, t2 - t1
+
+
+def run_bench(
+    tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]],
+    source: dict[str, Any],
+    *,
+    codecs: list[str] | None = None,
+    gpu: bool | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    threads: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> BenchResult:
+    """Encode and decode every tensor ``tensors()`` yields with every codec, per dtype.
+
+    ``codecs`` limits the codecs (default: every CPU codec, and with ``gpu`` every nvCOMP codec on
+    the GPU; ``gpu=None`` means "when this machine has one"). Codecs that cannot run here are
+    listed in ``skipped`` with the reason. ``tensors`` is called once per codec, so inputs are
+    streamed rather than held.
+    """
+    use_gpu = gpu_available() if gpu is None else gpu
+    if use_gpu and not gpu_available():
+        raise CodecUnavailableError("--gpu needs CUDA and nvidia-nvcomp-cu12; neither is usable here")
+    wanted = codecs or list(dict.fromkeys([*CPU_CODECS, *(GPU_CODECS if use_gpu else ())]))
+    result = BenchResult(source)
+    pool = ThreadPoolExecutor(threads or os.cpu_count() or 1, thread_name_prefix="nvdcp-bench")
+    runners: list[Any] = []
+    for codec in wanted:
+        if codec in CPU_CODECS:
+            try:
+                runners.append(_CpuRunner(codec, pool, chunk_bytes))
+            except CodecUnavailableError as exc:
+                result.skipped[f"{codec}@cpu"] = str(exc)
+        elif codec not in GPU_CODECS:
+            raise ValueError(f"unknown codec {codec!r}; choose from {sorted(set(CPU_CODECS) | set(GPU_CODECS))}")
+        if use_gpu and codec in GPU_CODECS:
+            runners.append(_GpuRunner(codec, pool, chunk_bytes))
+        elif codec in GPU_ONLY:
+            result.skipped[f"{codec}@cuda"] = "needs an NVIDIA GPU with nvidia-nvcomp-cu12"
+    try:
+        for k, runner in enumerate(runners):
+            rows: dict[str, Row] = {}
+            for _, t in tensors():
+                stored, enc_s, dec_s = runner.run(t)
+                row = rows.setdefault(str(t.dtype).removeprefix("torch."), Row(runner.codec, runner.device, str(t.dtype).removeprefix("torch.")))
+                row.items += 1
+                row.raw_bytes += t.numel() * t.element_size()
+                row.stored_bytes += stored
+                row.encode_s += enc_s
+                row.decode_s += dec_s
+            result.rows += sorted(rows.values(), key=lambda r: -r.raw_bytes)
+            if progress:
+                progress(k + 1, len(runners))
+    finally:
+        pool.shutdown()
+    return result
+
+
+# -- the chart ---------------------------------------------------------------------------------
+def plot(result: BenchResult, path: str) -> None:
+    """Two panels: ratio per dtype (bars grouped by dtype, one per codec) and encode/decode GB/s
+    per codec over all dtypes. Written with matplotlib's Agg backend (no display needed)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise CodecUnavailableError("--plot needs matplotlib: pip install 'nvdcp[cli]'") from None
+
+    labels = [f"{t.codec}@{t.device}" for t in result.totals()]
+    dtypes = sorted({r.dtype for r in result.rows}, key=lambda d: -sum(r.raw_bytes for r in result.rows if r.dtype == d))
+    ratio = {(f"{r.codec}@{r.device}", r.dtype): r.ratio for r in result.rows}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [max(2, len(dtypes)), 2]})
+    width = 0.8 / max(1, len(labels))
+    colors = plt.get_cmap("tab10").colors
+    for i, label in enumerate(labels):
+        xs = [d + (i - (len(labels) - 1) / 2) * width for d in range(len(dtypes))]
+        ys = [ratio.get((label, dt), 0.0) for dt in dtypes]
+        bars = ax1.bar(xs, ys, width, label=label, color=colors[i % len(colors)])
+        ax1.bar_label(bars, fmt="%.2f", fontsize=7, padding=1)
+    ax1.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    ax1.set_xticks(range(len(dtypes)), dtypes)
+    ax1.set_ylabel("compression ratio (original / stored)")
+    ax1.set_title("Ratio per dtype")
+    ax1.legend(fontsize=8)
+    totals = result.totals()
+    xs = np.arange(len(totals))
+    enc = [t.encode_gbps or 0.0 for t in totals]
+    dec = [t.decode_gbps or 0.0 for t in totals]
+    b1 = ax2.bar(xs - 0.2, enc, 0.4, label="encode", color="#4878d0")
+    b2 = ax2.bar(xs + 0.2, dec, 0.4, label="decode", color="#ee854a")
+    ax2.bar_label(b1, fmt="%.2f", fontsize=7, padding=1)
+    ax2.bar_label(b2, fmt="%.2f", fontsize=7, padding=1)
+    ax2.set_xticks(xs, [f"{t.codec}@{t.device}" for t in totals], rotation=20)
+    ax2.set_ylabel("GB/s of original bytes")
+    ax2.set_title("Throughput, all dtypes")
+    ax2.legend(fontsize=8)
+    m = machine()
+    where = m.get("gpu") or f"{m['cores']} CPU cores"
+    fig.suptitle(f"nvdcp codecs on {result.source.get('name', 'input')} ({where})", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

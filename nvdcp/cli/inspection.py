@@ -1,0 +1,351 @@
+"""What a checkpoint holds, read from ``.metadata`` and item headers only (no payload is fetched).
+
+Works on nvdcp checkpoints and on stock DCP ones (``FileSystemWriter``), whose items carry no
+header: their codec is ``torch.save`` (or torch's own stream extensions, named by descriptor).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
+
+from nvdcp.codecs import CODEC_TABLE
+from nvdcp.dcp import descriptor
+from nvdcp.cli._metadata import load_any_metadata
+from nvdcp.errors import CorruptCheckpointError, NvdcpError
+from nvdcp.format.header import (
+    FILE_FIXED_SIZE,
+    ITEM_FIXED_SIZE,
+    TRANSFORM_BYTEPLANES,
+    ItemHeader,
+    file_header_size,
+    item_header_size,
+    parse_file_header,
+    parse_item_header_only,
+)
+from nvdcp.storage import Storage, open_storage
+
+#: First fetch per item: enough for the header of an item up to ~500 MiB (64 KiB chunks, one
+#: plane); larger headers cost one more ranged read.
+HEADER_PREFIX_BYTES = 64 << 10
+
+STOCK_CODEC = "torch.save"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass
+class Shard:
+    """One stored chunk of an item (one ``MetadataIndex``)."""
+
+    offsets: list[int] | None
+    sizes: list[int] | None
+    file: str
+    file_offset: int
+    stored_bytes: int
+    original_bytes: int
+    #: The codec doing the work: nvdcp's from the item header, ``torch.save`` for stock items.
+    codec: str
+    descriptor: str | None = None
+    #: nvdcp items: the transform and each byte plane's codec, from the stored item header.
+    transform: str | None = None
+    plane_codecs: list[str] | None = None
+    chunk_bytes: int | None = None
+    error: str | None = None
+
+
+@dataclass
+class Item:
+    """One entry of the state dict: a tensor (possibly sharded) or a bytes object."""
+
+    fqn: str
+    kind: str
+    dtype: str | None
+    shape: list[int] | None
+    shards: list[Shard] = field(default_factory=list)
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(s.stored_bytes for s in self.shards)
+
+    @property
+    def original_bytes(self) -> int:
+        return sum(s.original_bytes for s in self.shards)
+
+    @property
+    def codecs(self) -> list[str]:
+        return sorted({s.codec for s in self.shards})
+
+
+@dataclass
+class DataFile:
+    """A data file and what its file header says about the save that wrote it."""
+
+    name: str
+    items: int
+    #: Container format version and the writer's info (nvdcp, torch, nvcomp versions, rank,
+    #: save id, time); empty for stock DCP files, which have no header.
+    format_version: int | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass
+class Totals:
+    items: int = 0
+    shards: int = 0
+    original_bytes: int = 0
+    stored_bytes: int = 0
+
+    @property
+    def ratio(self) -> float | None:
+        return self.original_bytes / self.stored_bytes if self.stored_bytes else None
+
+    def add(self, item: Item) -> None:
+        self.items += 1
+        self.shards += len(item.shards)
+        self.original_bytes += item.original_bytes
+        self.stored_bytes += item.stored_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        ratio = self.ratio
+        return {**asdict(self), "ratio": None if ratio is None else round(ratio, 4)}
+
+
+@dataclass
+class Inspection:
+    """Everything ``nvdcp inspect`` shows; :meth:`as_dict` is its ``--json`` schema."""
+
+    url: str
+    #: ``"nvdcp"``, ``"stock"`` (torch's FileSystemWriter) or ``"mixed"``.
+    format: str
+    dcp_version: str | None
+    metadata_bytes: int
+    items: list[Item]
+    files: list[DataFile]
+
+    @property
+    def errors(self) -> list[str]:
+        out = [f"{f.name}: {f.error}" for f in self.files if f.error]
+        out += [f"{i.fqn}: {s.error}" for i in self.items for s in i.shards if s.error]
+        return out
+
+    def by_dtype(self) -> dict[str, Totals]:
+        totals: dict[str, Totals] = {}
+        for item in self.items:
+            totals.setdefault(item.dtype or "bytes", Totals()).add(item)
+        return dict(sorted(totals.items(), key=lambda kv: -kv[1].original_bytes))
+
+    def total(self) -> Totals:
+        t = Totals()
+        for item in self.items:
+            t.add(item)
+        return t
+
+    def saved_with(self) -> dict[str, list[Any]]:
+        """Distinct values of each file-header field across the data files (``torch``, ``nvcomp``...)."""
+        keys = ("nvdcp", "torch", "nvcomp")
+        seen: dict[str, list[Any]] = {k: [] for k in keys}
+        seen["format_version"] = []
+        for f in self.files:
+            if f.format_version is not None and f.format_version not in seen["format_version"]:
+                seen["format_version"].append(f.format_version)
+            for k in keys:
+                if k in f.info and f.info[k] not in seen[k]:
+                    seen[k].append(f.info[k])
+        return seen
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "format": self.format,
+            "dcp_version": self.dcp_version,
+            "metadata_bytes": self.metadata_bytes,
+            "saved_with": self.saved_with(),
+            "totals": self.total().as_dict(),
+            "by_dtype": {k: v.as_dict() for k, v in self.by_dtype().items()},
+            "items": [
+                {
+                    "fqn": i.fqn, "kind": i.kind, "dtype": i.dtype, "shape": i.shape,
+                    "stored_bytes": i.stored_bytes, "original_bytes": i.original_bytes,
+                    "ratio": round(i.original_bytes / i.stored_bytes, 4) if i.stored_bytes else None,
+                    "codecs": i.codecs, "shards": [asdict(s) for s in i.shards],
+                }
+                for i in self.items
+            ],
+            "files": [asdict(f) for f in self.files],
+            "errors": self.errors,
+        }
+
+
+def _chunk_bytes(md: TensorStorageMetadata, index: MetadataIndex) -> tuple[list[int] | None, list[int] | None, int]:
+    for chunk in md.chunks:
+        if list(chunk.offsets) == list(index.offset or []):
+            numel = 1
+            for s in chunk.sizes:
+                numel *= s
+            return list(chunk.offsets), list(chunk.sizes), numel * element_size(md.properties.dtype)
+    return list(index.offset or []), None, 0
+
+
+def _read_item_headers(storage: Storage, name: str, records: list[tuple[int, int]]) -> list[ItemHeader | str]:
+    """Headers of the items at ``records`` (offset, length) of one file, or an error string each."""
+    where = storage.describe(name)
+    try:
+        prefixes = storage.read_ranges(name, [(off, min(length, HEADER_PREFIX_BYTES)) for off, length in records])
+    except (NvdcpError, OSError) as exc:
+        return [str(exc)] * len(records)
+    out: list[ItemHeader | str] = []
+    for (off, length), prefix in zip(records, prefixes):
+        here = f"{where} @ {off}"
+        try:
+            need = item_header_size(memoryview(prefix)[:ITEM_FIXED_SIZE], here)
+            if need > length:
+                raise CorruptCheckpointError(f"{here}: header of {need} bytes is longer than the item ({length})")
+            if need > len(prefix):
+                prefix = storage.read_range(name, off, need)
+            header = parse_item_header_only(memoryview(prefix), here)
+            if header.header_bytes + header.stored_nbytes != length:
+                raise CorruptCheckpointError(
+                    f"{here}: header and chunks hold {header.header_bytes + header.stored_nbytes} bytes, "
+                    f".metadata records {length}"
+                )
+            out.append(header)
+        except (NvdcpError, OSError) as exc:
+            out.append(str(exc))
+    return out
+
+
+def _read_file_header(storage: Storage, name: str) -> tuple[int | None, dict[str, Any], str | None]:
+    where = storage.describe(name)
+    try:
+        fixed = storage.read_range(name, 0, FILE_FIXED_SIZE)
+        size = file_header_size(memoryview(fixed), where)
+        info = parse_file_header(memoryview(storage.read_range(name, 0, size)), where)
+        version = int.from_bytes(bytes(fixed[8:10]), "little")
+        return version, info, None
+    except (NvdcpError, OSError) as exc:
+        return None, {}, str(exc)
+
+
+def _plane_summary(header: ItemHeader) -> tuple[str, str, list[str]]:
+    names = [CODEC_TABLE.get(c, (f"id{c}",))[0] for c in header.plane_codecs]
+    main = next((n for n in names if n != "none"), "none")
+    transform = "byteplanes" if header.transform == TRANSFORM_BYTEPLANES else "none"
+    return main, transform, names
+
+
+def inspect_checkpoint(
+    path: str | os.PathLike[str],
+    *,
+    storage_options: dict[str, Any] | None = None,
+    threads: int = 8,
+    progress: Callable[[int, int], None] | None = None,
+) -> Inspection:
+    """Describe the checkpoint at ``path`` from its ``.metadata`` and the headers of its items.
+
+    Reads ``.metadata``, each data file's header and each item's header (a bounded prefix of the
+    item), never a payload. Unreadable headers are reported per item in ``Shard.error`` rather
+    than raised; ``nvdcp verify`` checks the payloads.
+
+    Raises:
+        IncompleteCheckpointError: no ``.metadata`` at ``path``.
+        CorruptCheckpointError: ``.metadata`` is unreadable.
+    """
+    storage = open_storage(path, **(storage_options or {}))
+    metadata: Metadata = load_any_metadata(storage)
+    metadata_bytes = storage.size(".metadata")
+    records: dict[MetadataIndex, Any] = metadata.storage_data or {}
+    if not isinstance(records, dict):
+        raise CorruptCheckpointError(f"{storage.url}: .metadata has no storage records")
+
+    # Which records are ours: nvdcp descriptors get their headers read; others are stock items.
+    nvdcp_by_file: dict[str, list[MetadataIndex]] = {}
+    kinds: set[str] = set()
+    for index, info in records.items():
+        descs = getattr(info, "transform_descriptors", None) or ()
+        if any(isinstance(d, str) and d.startswith(descriptor.PREFIX) for d in descs):
+            nvdcp_by_file.setdefault(info.relative_path, []).append(index)
+            kinds.add("nvdcp")
+        else:
+            kinds.add("stock")
+
+    headers: dict[MetadataIndex, ItemHeader | str] = {}
+    file_names = sorted({info.relative_path for info in records.values() if isinstance(info, _StorageInfo)})
+    file_meta: dict[str, tuple[int | None, dict[str, Any], str | None]] = {}
+
+    def one_file(name: str) -> None:
+        indexes = sorted(nvdcp_by_file.get(name, []), key=lambda ix: records[ix].offset)
+        if indexes:
+            file_meta[name] = _read_file_header(storage, name)
+            found = _read_item_headers(storage, name, [(records[ix].offset, records[ix].length) for ix in indexes])
+            headers.update(zip(indexes, found))
+        else:
+            file_meta[name] = (None, {}, None)
+
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        for done, _ in enumerate(pool.map(one_file, file_names), 1):
+            if progress:
+                progress(done, len(file_names))
+
+    items: list[Item] = []
+    by_fqn: dict[str, list[MetadataIndex]] = {}
+    for index in records:
+        by_fqn.setdefault(index.fqn, []).append(index)
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            item = Item(fqn, "tensor", dtype_name(md.properties.dtype), list(md.size))
+        else:
+            item = Item(fqn, "bytes", None, None)
+        for index in sorted(by_fqn.get(fqn, []), key=lambda ix: list(ix.offset or [])):
+            item.shards.append(_shard(storage, index, records[index], md, headers.get(index)))
+        items.append(item)
+
+    files = [
+        DataFile(name, sum(1 for i in records.values() if i.relative_path == name), *file_meta.get(name, (None, {}, None)))
+        for name in file_names
+    ]
+    fmt = "mixed" if len(kinds) > 1 else (kinds.pop() if kinds else "nvdcp")
+    return Inspection(storage.url, fmt, getattr(metadata, "version", None), metadata_bytes, items, files)
+
+
+def _shard(storage: Storage, index: MetadataIndex, info: Any, md: Any, header: ItemHeader | str | None) -> Shard:
+    if isinstance(md, TensorStorageMetadata):
+        offsets, sizes, original = _chunk_bytes(md, index)
+    else:
+        offsets, sizes, original = None, None, info.length
+    descs = list(getattr(info, "transform_descriptors", None) or ())
+    shard = Shard(
+        offsets, sizes, info.relative_path, info.offset, info.length, original,
+        codec="+".join(descs) if descs else (STOCK_CODEC if isinstance(md, TensorStorageMetadata) else "raw"),
+        descriptor=descs[0] if descs else None,
+    )
+    if header is None:  # a stock item
+        return shard
+    if isinstance(header, str):
+        shard.codec = "?"
+        shard.error = header
+        return shard
+    shard.codec, shard.transform, shard.plane_codecs = _plane_summary(header)
+    shard.chunk_bytes = header.chunk_bytes
+    if isinstance(md, BytesStorageMetadata):
+        shard.original_bytes = header.raw_nbytes
+    elif header.raw_nbytes != original or (sizes is not None and list(header.shape) != sizes):
+        shard.error = (
+            f"{storage.describe(info.relative_path)} @ {info.offset}: item header says shape "
+            f"{list(header.shape)} ({header.raw_nbytes} bytes), .metadata says {sizes} ({original} bytes)"
+        )
+    return shard
