@@ -240,14 +240,19 @@ class _ProxyHandler(BaseHTTPRequestHandler):
 
     def _proxy(self) -> None:
         proxy: FaultProxy = self.server.proxy  # type: ignore[attr-defined]
-        part = is_upload_part(self.command, self.path)
-        if part:
+        self._tracked = is_upload_part(self.command, self.path)
+        if self._tracked:
             proxy.track(+1)
         try:
             self._serve(proxy)
         finally:
-            if part:
-                proxy.track(-1)
+            self._untrack()
+
+    def _untrack(self) -> None:
+        # Before the answer goes out: the client may start its next part as soon as it has it.
+        if getattr(self, "_tracked", False):
+            self._tracked = False
+            self.server.proxy.track(-1)  # type: ignore[attr-defined]
 
     def _serve(self, proxy: FaultProxy) -> None:
         body = self._read_body()
@@ -286,6 +291,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         return resp.status, [(k, v) for k, v in resp.getheaders() if k.lower() not in _HOP | {"content-length"}], data
 
     def _reply(self, status: int, headers: list[tuple[str, str]], data: bytes, length: int | None = None) -> None:
+        self._untrack()
         self.send_response(status)
         for k, v in headers:
             self.send_header(k, v)
