@@ -95,7 +95,8 @@ def run_variant(name: str, state: Any, root: str, save_fn: Any, load_fn: Any) ->
     sync()
     base_mem = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    POOL.peak = POOL.in_use
+    POOL.trim()
+    POOL.peak = POOL.allocated
     save_s = timed_sync(lambda: save_fn(state, path))
     peak_gpu = torch.cuda.max_memory_allocated() - base_mem
     stored = dir_bytes(path)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
+import inspect
 import logging
 import os
 import threading
@@ -106,12 +107,15 @@ class HostBuffers:
             if pos + nbytes <= segments[seg].numel():
                 return self._take(segments, seg, pos, nbytes)
             seg, pos = seg + 1, 0
-        size = max(self.segment_bytes, nbytes)
-        if seg == len(self._kept) and self.kept_bytes + size <= self.keep_bytes:
-            # Still inside the kept run: grow it (kept segments always precede temporary ones).
+        room = self.keep_bytes - self.kept_bytes
+        if seg == len(self._kept) and nbytes <= room:
+            # Still inside the kept run: grow it (kept segments always precede temporary ones),
+            # doubling from 1 MiB so small states do not pin a whole segment.
+            size = min(room, max(nbytes, min(self.segment_bytes, max(MiB, self.kept_bytes))))
             self._kept.append(torch.empty(size, dtype=torch.uint8, pin_memory=self.pin))
             self.kept_bytes += size
         else:
+            size = max(nbytes, min(self.segment_bytes, max(MiB, self.temp_bytes)))
             self._temp.append(torch.empty(size, dtype=torch.uint8))
             self.temp_bytes += size
         return self._take(self._kept + self._temp, len(self._kept) + len(self._temp) - 1, 0, nbytes)
@@ -530,9 +534,12 @@ class NvcompStager:
         from nvdcp.gpu.encoder import GpuEncoder
 
         if device not in self._encoders:
+            extra: dict[str, Any] = {}
+            if "pinned_bytes" in inspect.signature(GpuEncoder).parameters:  # newer encoders bound it
+                extra["pinned_bytes"] = self.gpu.pinned_memory_bytes
             self._encoders[device] = GpuEncoder(
                 device, chunk_bytes=self.chunk_bytes, budget_bytes=self.gpu.gpu_budget(device),
-                gdeflate_type=self.gpu.gdeflate_algorithm_type, pool=self._codec_pool(),
+                gdeflate_type=self.gpu.gdeflate_algorithm_type, pool=self._codec_pool(), **extra,
             )
         return self._encoders[device]
 

@@ -163,6 +163,7 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
         state = self.__dict__.copy()
         state["_pool"] = None
         state["_caller_event"] = None
+        state["last_report"] = None  # holds a lock; a writer reused after a save must still pickle
         return state
 
     def _codec_pool(self) -> ThreadPoolExecutor:

@@ -11,13 +11,15 @@ class PinnedPool:
     """A bounded pool of page-locked byte buffers.
 
     ``acquire(n)`` returns a pinned uint8 tensor of at least ``n`` bytes, reusing a free one when
-    it is large enough; the total ever allocated stays under ``limit`` (callers size their requests
-    from it), and ``peak`` records the most held at once.
+    it is large enough. Before allocating past ``limit`` it frees idle buffers, so the pinned
+    footprint stays near the largest working set rather than growing with every differently
+    sized save. ``peak`` records the most pinned memory allocated at once.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int = 512 << 20) -> None:
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()
+        self.limit = limit
         self.allocated = 0
         self.in_use = 0
         self.peak = 0
@@ -29,10 +31,12 @@ class PinnedPool:
                 # by position, not list.remove(): tensors compare elementwise
                 buf = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
             else:
+                while self._free and self.allocated + nbytes > self.limit:
+                    self.allocated -= self._free.pop().numel()
                 buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
                 self.allocated += nbytes
             self.in_use += buf.numel()
-            self.peak = max(self.peak, self.in_use)
+            self.peak = max(self.peak, self.allocated)
             return buf
 
     def release(self, buf: torch.Tensor) -> None:
