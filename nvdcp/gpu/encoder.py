@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import nvidia.nvcomp as nv
+import numpy as np
 import torch
 
 from nvdcp.codecs import codec_id
@@ -68,8 +69,8 @@ class _Launched:
     bucket: _Bucket
     stream: torch.cuda.Stream
     slots: torch.Tensor
-    raw_sizes: list[int]
-    groups: list[tuple[list[int], torch.Tensor, int, Any]]  # slot ids, comp buffer, cap, nvcomp result
+    raw_sizes: np.ndarray  # uncompressed bytes per slot
+    groups: list[tuple[np.ndarray, torch.Tensor, int, Any]]  # slot ids, comp buffer, cap, nvcomp result
 
 
 class GpuEncoder:
@@ -123,8 +124,10 @@ class GpuEncoder:
     def _launch(self, jobs: list[GpuJob], bucket: _Bucket, parity: int) -> _Launched:
         stream = self.streams[parity]
         c = self.chunk_bytes
-        raw_sizes: list[int] = []
-        codec_of_slot: list[tuple[str, str | None]] = []
+        # Per-slot bookkeeping in numpy: a GB is ~16k slots, too many for Python loops.
+        raw_sizes = np.empty(bucket.slots, dtype=np.int64)
+        slot_key = np.full(bucket.slots, -1, dtype=np.int32)
+        keys: dict[tuple[str, str | None], int] = {}
         with torch.cuda.stream(stream):
             slots = torch.empty((max(bucket.slots, 1), c), dtype=torch.uint8, device=self.device)
             for seg in bucket.segments:
@@ -145,36 +148,39 @@ class GpuEncoder:
                         region[:full].copy_(src[: full * c].view(full, c))
                     if tail:
                         region[full, :tail].copy_(src[full * c :])
-                for b in range(seg.n_blocks):
-                    size = c if b < full else tail
-                    for name in job.layout.plane_codecs:
-                        raw_sizes.append(size)
-                        codec_of_slot.append((name, typed_data_type(name, job.dtype)))
+                span = slice(seg.first_slot, seg.first_slot + seg.n_blocks * p)
+                raw_sizes[span] = c
+                if tail:
+                    raw_sizes[seg.first_slot + full * p : span.stop] = tail
+                plane_keys = [
+                    -1 if name == "none" else keys.setdefault((name, typed_data_type(name, job.dtype)), len(keys))
+                    for name in job.layout.plane_codecs
+                ]
+                slot_key[span] = np.tile(np.asarray(plane_keys, dtype=np.int32), seg.n_blocks)
             groups = []
-            for key in sorted({k for k in codec_of_slot if k[0] != "none"}, key=str):
-                ids = [i for i, k in enumerate(codec_of_slot) if k == key]
+            for key, kid in sorted(keys.items(), key=lambda kv: str(kv[0])):
+                ids = np.flatnonzero(slot_key == kid)
                 codec, cap = self.codecs[parity].get(key[0], key[1])
                 comp = torch.empty(len(ids) * cap, dtype=torch.uint8, device=self.device)
-                src_b = nv.as_arrays(slots.view(-1), [i * c for i in ids], [raw_sizes[i] for i in ids], cuda_stream=stream.cuda_stream)
-                dst_b = nv.as_arrays(comp, [k * cap for k in range(len(ids))], [cap] * len(ids), cuda_stream=stream.cuda_stream)
+                src_b = nv.as_arrays(slots.view(-1), (ids * c).tolist(), raw_sizes[ids].tolist(), cuda_stream=stream.cuda_stream)
+                dst_b = nv.as_arrays(comp, list(range(0, len(ids) * cap, cap)), [cap] * len(ids), cuda_stream=stream.cuda_stream)
                 groups.append((ids, comp, cap, codec.encode(src_b, out=dst_b)))
         return _Launched(bucket, stream, slots, raw_sizes, groups)
 
     def _finish(self, jobs: list[GpuJob], launched: _Launched, partial: dict[int, list]) -> Iterator[tuple[GpuJob, EncodedItem]]:
         c = self.chunk_bytes
-        stored = list(launched.raw_sizes)
+        stored = launched.raw_sizes.copy()
         n = len(stored)
         pinned = POOL.acquire(max(1, n * c))
         try:
             with torch.cuda.stream(launched.stream):
                 for ids, comp, cap, result in launched.groups:
-                    sizes = result.buffer_sizes  # waits for this bucket's encode only
-                    used = [(i, k) for k, (i, s) in enumerate(zip(ids, sizes)) if s < launched.raw_sizes[i]]
-                    for i, k in used:
-                        stored[i] = sizes[k]
-                    if used:
-                        dst = torch.tensor([i for i, _ in used], device=self.device)
-                        src = torch.tensor([k for _, k in used], device=self.device)
+                    sizes = np.asarray(result.buffer_sizes, dtype=np.int64)  # waits for this encode only
+                    used = sizes < launched.raw_sizes[ids]  # compression paid: keep it
+                    if used.any():
+                        stored[ids[used]] = sizes[used]
+                        dst = torch.from_numpy(ids[used]).to(self.device)
+                        src = torch.from_numpy(np.flatnonzero(used)).to(self.device)
                         launched.slots[dst] = comp.view(-1, cap)[src, :c]
                 # One copy of the whole slot array: cheaper than compacting on the device
                 # (boolean-mask compaction materializes 16 bytes of indices per byte kept), and
@@ -184,7 +190,7 @@ class GpuEncoder:
                 done.record(launched.stream)
             done.synchronize()
             host = memoryview(pinned.numpy())
-            views = [host[i * c : i * c + stored[i]] for i in range(n)]
+            views = [host[i * c : i * c + size] for i, size in enumerate(stored.tolist())]
             crcs = self._checksums(views)
             for seg in launched.bucket.segments:
                 job = jobs[seg.job]

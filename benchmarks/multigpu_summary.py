@@ -1,0 +1,38 @@
+"""Summarize benchmarks/multigpu_run.sh: save/load times by GPU count, resharded resume check.
+
+    python benchmarks/multigpu_summary.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import markdown_table, write_results  # noqa: E402
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    rows, checks = [], []
+    for log in sorted(out.glob("mg_*.jsonl")):
+        records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+        saved = {r["step"]: r["digest"] for r in records if r.get("event") == "save"}
+        for r in records:
+            if r.get("event") == "compare":
+                rows.append({"gpus": r["world"], "step": r["step"], "raw_GB": round(r["raw_bytes"] / 1e9, 3),
+                             "ratio": round(r["stock_bytes"] / r["nvdcp_bytes"], 3),
+                             "nvdcp_save_s": round(r["nvdcp_save_s"], 3), "stock_save_s": round(r["stock_save_s"], 3),
+                             "nvdcp_load_s": round(r["nvdcp_load_s"], 3), "stock_load_s": round(r["stock_load_s"], 3)})
+            if r.get("event") == "load":
+                checks.append({"log": log.name, "step": r["step"], "loaded_on": r["world"],
+                               "bit_identical_to_saved": saved.get(r["step"]) == r["digest"]})
+    print(markdown_table(rows, list(rows[0]) if rows else ["gpus"]))
+    print(json.dumps(checks, indent=1))
+    write_results("multigpu", {"rows": rows, "resume_checks": checks}, out)
+
+
+if __name__ == "__main__":
+    main()
