@@ -63,6 +63,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+_POOL_PREFIX = "nvdcp-s3"
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 
 _CREDENTIAL_CODES = frozenset({
@@ -292,7 +293,7 @@ class S3Storage(Storage):
         if self._pool is None:
             with self._lock:
                 if self._pool is None:
-                    self._pool = cf.ThreadPoolExecutor(self.config.max_concurrency, thread_name_prefix="nvdcp-s3")
+                    self._pool = cf.ThreadPoolExecutor(self.config.max_concurrency, thread_name_prefix=_POOL_PREFIX)
         return self._pool
 
     def close(self) -> None:
@@ -395,8 +396,10 @@ class S3Storage(Storage):
             for (start, _, _), buf in zip(spans, buffers)
             for p in range(0, len(buf), self.config.read_part_size)
         ]
-        if len(pieces) == 1:
-            self._get_exact(key, where, *pieces[0])
+        # Inline when already on one of our pool's threads: waiting there for the pool could deadlock.
+        if len(pieces) == 1 or threading.current_thread().name.startswith(_POOL_PREFIX):
+            for off, view in pieces:
+                self._get_exact(key, where, off, view)
         else:
             for fut in [self.pool.submit(self._get_exact, key, where, off, view) for off, view in pieces]:
                 fut.result()

@@ -341,10 +341,15 @@ def test_readahead_serves_sequential_small_reads_with_few_gets(s3env: S3Env) -> 
     S3Storage(s3env.url("ra"), **FAST).write_atomic("f", data)
     items = [(off, min(3000, len(data) - off)) for off in range(0, len(data), 3000)]
     with FaultProxy(s3env.endpoint) as proxy:
-        store = S3Storage(s3env.url("ra"), endpoint_url=proxy.endpoint, readahead_size=8 * P, max_concurrency=4)
+        store = S3Storage(
+            s3env.url("ra"), endpoint_url=proxy.endpoint, readahead_size=8 * P, max_concurrency=4, read_part_size=64 * 1024
+        )
         got = list(store.pool.map(lambda r: bytes(store.read_range("f", *r)), items))
         assert got == [data[o : o + n] for o, n in items]
         assert proxy.requests["GET"] == 6  # ceil(size / 8P) blocks, not one GET per read
     assert len(store._blocks) == 0  # every block was read through, so none is kept
+    # Large reads issued from the storage's own pool threads run inline instead of deadlocking.
+    whole = list(store.pool.map(lambda _: bytes(store.read_range("f", 0, len(data))), range(8)))
+    assert whole == [data] * 8
     with pytest.raises(MissingDataFileError):
         store.read_range("absent", 0, 10)
