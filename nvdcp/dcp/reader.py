@@ -168,8 +168,9 @@ class NvcompReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        spec = os.fspath(checkpoint_id)
-        return "://" not in spec or spec.startswith(("file://", "s3://"))
+        from nvdcp.storage import supports_url
+
+        return supports_url(os.fspath(checkpoint_id))
 
     # -- internals -----------------------------------------------------------------------------
     def record_of(self, index: MetadataIndex) -> tuple[str, int, int]:

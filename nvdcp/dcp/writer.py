@@ -3,7 +3,7 @@
 Layout on storage (docs/FORMAT.md): per rank, ``thread_count`` data files named
 ``__{rank}_{save}_{i}.nvdcp`` (``save`` is a token fresh for every save, so a new save never
 overwrites a file the previous ``.metadata`` points at), then ``.metadata`` written last by the
-coordinator through a temp object and an atomic rename. Only after that commit are data files of
+coordinator atomically (temp file and rename on disk, one PUT on S3). Only after that commit are data files of
 earlier saves to the same location deleted: at every instant the location holds either the old
 complete checkpoint or the new one.
 """
@@ -254,8 +254,9 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        spec = os.fspath(checkpoint_id)
-        return "://" not in spec or spec.startswith(("file://", "s3://"))
+        from nvdcp.storage import supports_url
+
+        return supports_url(os.fspath(checkpoint_id))
 
     # -- internals -----------------------------------------------------------------------------
     def _delete_unreferenced(self, keep: set[str]) -> None:

@@ -54,4 +54,16 @@ def open_storage(path: str | os.PathLike[str], *, sync: bool = True, **options: 
     return FsspecStorage(spec, **options)
 
 
-__all__ = ["Storage", "WriteStream", "open_storage"]
+def supports_url(spec: str) -> bool:
+    """Whether :func:`open_storage` can serve ``spec``: a path, ``file://``, ``s3://`` or a
+    protocol fsspec knows (without importing any backend)."""
+    if "://" not in spec or spec.startswith(("file://", "s3://")):
+        return True
+    try:
+        from fsspec.registry import known_implementations
+    except ImportError:
+        return False
+    return spec.split("://", 1)[0] in known_implementations
+
+
+__all__ = ["Storage", "WriteStream", "open_storage", "supports_url"]
