@@ -130,13 +130,20 @@ class HostBuffers:
 class StagedShard:
     """One write item's staged data: a pre-encoded record, or a host copy to compress later."""
 
-    __slots__ = ("encoded", "tensor", "lease", "__weakref__")
+    __slots__ = ("__weakref__", "encoded", "lease", "tensor")
 
     def __init__(self, encoded: EncodedItem | None = None, tensor: torch.Tensor | None = None,
                  lease: _Lease | None = None) -> None:
         self.encoded = encoded
         self.tensor = tensor
         self.lease = lease
+
+    @property
+    def host_tensor(self) -> torch.Tensor:
+        """The host copy of a shard staged without compression."""
+        if self.tensor is None:
+            raise ValueError("this staged shard holds an encoded record, not a host copy")
+        return self.tensor
 
     @property
     def nbytes(self) -> int:
@@ -178,7 +185,7 @@ class StagedTensor(torch.Tensor):
     checkpointable objects (DTensor implements the same two).
     """
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
     _nvdcp_items: list[WriteItem]
     _nvdcp_shards: dict[tuple[int, ...] | None, StagedShard]
 
@@ -210,7 +217,7 @@ class StagedTensor(torch.Tensor):
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
         return (StagedTensor, (tuple(self.shape), self.dtype, self._nvdcp_items, self._nvdcp_shards))
 
-    def __repr__(self, *args: Any, **kwargs: Any) -> str:
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return f"StagedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, shards={len(self._nvdcp_shards)})"
 
 
@@ -499,8 +506,8 @@ class NvcompStager:
         about to be reused: the encoder's pinned slots, or the source tensor itself)."""
         assert self._buffers is not None
         total = sum(len(c) for c in encoded.chunks)
-        buf = memoryview(self._buffers.alloc(total).numpy()) if total else memoryview(b"")
-        views = []
+        buf = self._buffers.alloc(total).numpy().data if total else memoryview(b"")
+        views: list[bytes | memoryview] = []
         pos = 0
         for c in encoded.chunks:
             n = len(c)

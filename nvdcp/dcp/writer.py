@@ -363,7 +363,7 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
                         clock[0] = time.perf_counter()
                         write(item, data.encoded)
                         continue
-                    data = data.tensor
+                    data = data.host_tensor
                 if isinstance(data, torch.Tensor) and self._on_gpu(data):
                     gpu_jobs.append(self._gpu_job(item, data))
                     continue

@@ -1,0 +1,225 @@
+"""async_save benchmark (issue 5): how long training is blocked, peak pinned host memory, time
+until the checkpoint is durable; nvdcp's stager against torch's DefaultStager.
+
+    python benchmarks/async_bench.py [--steps 400] [--saves 3] [--dir /tmp/nvdcp-async-bench] [--out DIR]
+    python benchmarks/async_bench.py --small          # tiny model on the CPU (smoke test)
+
+Workload: the GPU reference (benchmarks/workload.py ``train_state("cuda", GPTConfig.reference(),
+batch=32)``: 1.03 GB of fp32 params + AdamW moments, on the GPU). Each variant saves it
+``--saves`` times with ``dcp.async_save`` (THREAD mode, one process). After each call returns,
+the benchmark waits until the staged copy is safe (DefaultStager's staging future, when it has
+one), then does what the next training step would: overwrites every tensor of the live state
+in place; then it waits for the upload. Per save:
+
+- ``blocked_s``: from the async_save call until training may modify the state again;
+- ``durable_s``: from the call until the checkpoint is committed (data fsynced, ``.metadata``
+  renamed into place);
+- ``peak_pinned_MiB``: page-locked host memory held for the save (DefaultStager: its cached
+  pinned storages; nvdcp: the stager's kept buffers plus the GPU encoder's pinned pool).
+
+The first save of a variant allocates (and pins) its buffers; later saves reuse them: the table
+shows the first save and the mean of the others. The last save of each variant is loaded back and
+compared bit for bit with a snapshot taken before the state was overwritten. Prints a table and
+writes benchmarks/results/async_bench_<date>.json (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import nvdcp  # noqa: E402
+from benchmarks.common import dir_bytes, fresh_dir, markdown_table, write_results  # noqa: E402
+from benchmarks.workload import states_equal, tensor_bytes, train_state, zeros_like_state  # noqa: E402
+from nvdcp.dcp.stager import NvcompStager  # noqa: E402
+from nvdcp.demo.model import GPTConfig  # noqa: E402
+from nvdcp.gpu.pinned import POOL  # noqa: E402
+
+MiB = 1 << 20
+
+
+def snapshot(state: Any) -> Any:
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    if isinstance(state, dict):
+        return {k: snapshot(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [snapshot(v) for v in state]
+    return state
+
+
+def next_step(state: Any) -> None:
+    """Overwrite every tensor in place, as the optimizer step after a save would."""
+    if isinstance(state, torch.Tensor):
+        if state.is_floating_point():
+            state.mul_(0.5)
+        else:
+            state.add_(1)
+    elif isinstance(state, dict):
+        for v in state.values():
+            next_step(v)
+    elif isinstance(state, list):
+        for v in state:
+            next_step(v)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class Variant:
+    """One way of saving: a writer factory and a stager (or none: plain dcp.save)."""
+
+    def __init__(self, name: str, writer: Callable[[str], Any], reader: Callable[[str], Any],
+                 stager: Any = None, sync_save: bool = False) -> None:
+        self.name, self.writer, self.reader, self.stager, self.sync_save = name, writer, reader, stager, sync_save
+
+    def pinned_bytes(self) -> int:
+        if isinstance(self.stager, NvcompStager):
+            buffers = self.stager._buffers
+            return (buffers.pinned_bytes if buffers is not None else 0) + POOL.peak
+        if isinstance(self.stager, DefaultStager):
+            cache = self.stager._state_dict_stager._cached_storage_mapping
+            if self.stager._config.use_pinned_memory and torch.cuda.is_available():
+                return sum(s.nbytes() for s in cache.values() if s.nbytes() >= 5)
+        return POOL.peak
+
+    def save(self, state: Any, path: str) -> tuple[float, float]:
+        """One save; returns (blocked_s, durable_s)."""
+        sync()
+        t0 = time.perf_counter()
+        if self.sync_save:
+            dcp.save(state, storage_writer=self.writer(path))
+            sync()
+            done = time.perf_counter() - t0
+            return done, done
+        response = dcp.async_save(state, storage_writer=self.writer(path), async_stager=self.stager)
+        if isinstance(response, Future):
+            upload = response
+        else:  # AsyncSaveResponse: staging runs in the background too
+            response.staging_completion.result()
+            upload = response.upload_completion
+        blocked = time.perf_counter() - t0
+        next_step(state)
+        upload.result()
+        return blocked, time.perf_counter() - t0
+
+
+def run(variant: Variant, state: Any, root: str, saves: int) -> dict[str, Any]:
+    path = fresh_dir(os.path.join(root, variant.name.replace(" ", "_").replace("/", "_")))
+    POOL.trim()
+    POOL.peak = POOL.in_use
+    blocked, durable = [], []
+    want = None
+    for i in range(saves):
+        if i == saves - 1:
+            want = snapshot(state)
+        b, d = variant.save(state, os.path.join(path, f"save{i}"))
+        blocked.append(b)
+        durable.append(d)
+    last = os.path.join(path, f"save{saves - 1}")
+    target = zeros_like_state(want)
+    dcp.load(target, storage_reader=variant.reader(last))
+    exact = states_equal(want, target)
+    del target, want
+    row = {
+        "variant": variant.name, "bytes": dir_bytes(last),
+        "blocked_first_s": round(blocked[0], 4), "durable_first_s": round(durable[0], 4),
+        "blocked_s": round(statistics.mean(blocked[1:] or blocked), 4),
+        "durable_s": round(statistics.mean(durable[1:] or durable), 4),
+        "peak_pinned_MiB": round(variant.pinned_bytes() / MiB, 1), "bit_exact": exact,
+    }
+    if isinstance(variant.stager, NvcompStager) and variant.stager.last_stats is not None:
+        s = variant.stager.last_stats
+        row["stage"] = {"gpu_shards": s.gpu_shards, "compressed_shards": s.compressed_shards,
+                        "copied_shards": s.copied_shards, "staged_bytes": s.staged_bytes,
+                        "temp_bytes": s.temp_bytes}
+    if variant.stager is not None:
+        variant.stager.close()
+    return row
+
+
+def variants(small: bool) -> list[Variant]:
+    stock_reader = dcp.FileSystemReader
+    ours_reader = nvdcp.NvcompReader
+    cuda = torch.cuda.is_available()
+    out = [
+        Variant("stock sync dcp.save", dcp.FileSystemWriter, stock_reader, sync_save=True),
+        Variant("nvdcp sync dcp.save", nvdcp.NvcompWriter, ours_reader, sync_save=True),
+        # torch's stager: a host copy of the whole state, pinned with CUDA (blocking; then also async).
+        Variant("stock + DefaultStager", dcp.FileSystemWriter, stock_reader,
+                DefaultStager(StagingOptions(cuda, False, False, cuda))),
+        Variant("nvdcp writer + DefaultStager", nvdcp.NvcompWriter, ours_reader,
+                DefaultStager(StagingOptions(cuda, False, False, cuda))),
+        Variant("nvdcp + NvcompStager", nvdcp.NvcompWriter, ours_reader, NvcompStager()),
+    ]
+    if cuda:
+        out.insert(3, Variant("stock + DefaultStager, async staging", dcp.FileSystemWriter, stock_reader,
+                              DefaultStager(StagingOptions(True, False, True, True))))
+    if small or not cuda:
+        out.append(Variant("nvdcp + NvcompStager cpu compress", nvdcp.NvcompWriter, ours_reader,
+                           NvcompStager(cpu_mode="compress")))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=400, help="training steps before the saves")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--saves", type=int, default=3, help="saves per variant (the first allocates buffers)")
+    ap.add_argument("--dir", default="/tmp/nvdcp-async-bench")
+    ap.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
+    ap.add_argument("--small", action="store_true", help="tiny model, a few steps, on the CPU (smoke test)")
+    args = ap.parse_args(argv)
+    if args.small:
+        device, cfg = "cpu", GPTConfig(d_model=64, n_layers=2, n_heads=4, context=32)
+        steps, batch, saves = min(args.steps, 2), min(args.batch, 4), min(args.saves, 2)
+    else:
+        if not torch.cuda.is_available():
+            print("the reference workload needs a GPU; use --small on the CPU", file=sys.stderr)
+            return 2
+        device, cfg, steps, batch, saves = "cuda", GPTConfig.reference(), args.steps, args.batch, args.saves
+    t0 = time.perf_counter()
+    state, loss = train_state(device, cfg=cfg, steps=steps, batch=batch)
+    results: dict[str, Any] = {
+        "workload": {"device": device, "config": cfg.__dict__, "steps": steps, "batch": batch,
+                     "final_loss": round(loss, 3), "train_s": round(time.perf_counter() - t0, 1),
+                     "raw_bytes": tensor_bytes(state), "saves_per_variant": saves},
+        "rows": [],
+    }
+    raw = tensor_bytes(state)
+    for variant in variants(args.small):
+        try:
+            row = run(variant, state, args.dir, saves)
+            row["ratio"] = round(raw / row["bytes"], 4)
+        except Exception as exc:  # noqa: BLE001 - a failing variant is reported, not fatal
+            row = {"variant": variant.name, "error": repr(exc)[:300]}
+        results["rows"].append(row)
+        print(row, flush=True)
+        write_results("async_bench", results, args.out)  # incremental: a crash keeps what ran
+    columns = ["variant", "blocked_first_s", "blocked_s", "durable_s", "bytes", "ratio", "peak_pinned_MiB",
+               "bit_exact"]
+    print(f"\nasync_save of {raw / 1e9:.3f} GB ({device}), {saves} saves per variant; "
+          "blocked/durable: mean of the saves after the first\n")
+    print(markdown_table(results["rows"], columns))
+    target = write_results("async_bench", results, args.out)
+    print(f"\nwrote {target}")
+    return 0 if all(r.get("bit_exact") for r in results["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,275 @@
+"""NvcompStager on the CPU, one process: what DCP sees, isolation from training, buffer reuse and
+bounds, waiting for the previous save, pickling (PROCESS mode), async_save end to end."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import pickle
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
+from torch.distributed.checkpoint.staging import AsyncStager
+
+import nvdcp
+from nvdcp.dcp.stager import HostBuffers, NvcompStager, StagedShard, StagedTensor
+from tests.conftest import bit_equal
+
+MiB = 1 << 20
+
+
+def _state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(7)
+    return {
+        "w": torch.randn(300, 70, generator=g) * 0.02,
+        "nested": {
+            "bf16": (torch.randn(40, 33, generator=g) * 0.02).bfloat16(),
+            "list": [torch.ones(3), torch.zeros(2, 0)],  # a list of tensors: DCP visits each
+            "tuple": (torch.ones(2), 3),  # a tuple: DCP pickles it whole
+        },
+        "view": torch.arange(1000, dtype=torch.int64).reshape(10, 100)[:, ::7],
+        "param_groups": [{"lr": 0.1, "params": ["w"]}],
+        "step": torch.tensor(3.0),
+        "mask": torch.rand(100, generator=g) > 0.5,
+        "complex": torch.randn(5, dtype=torch.complex64, generator=g),
+        "n": 7,
+    }
+
+
+def _target() -> dict[str, Any]:
+    sd = _state()
+    for k in ("w", "view", "step", "mask", "complex"):
+        sd[k] = torch.zeros_like(sd[k].contiguous())
+    sd["nested"] = {"bf16": torch.zeros(40, 33, dtype=torch.bfloat16), "list": [torch.zeros(3), torch.zeros(2, 0)],
+                    "tuple": None}
+    sd["param_groups"] = [{"lr": 0.0, "params": None}]
+    sd["n"] = 0
+    return sd
+
+
+def _assert_same(got: Any, want: Any, where: str = "") -> None:
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and bit_equal(got, want.contiguous()), where
+    elif isinstance(want, dict):
+        assert got.keys() == want.keys(), where
+        for k in want:
+            _assert_same(got[k], want[k], f"{where}.{k}")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            _assert_same(g, w, f"{where}.{i}")
+    else:
+        assert got == want, where
+
+
+def _mutate(sd: dict[str, Any]) -> None:
+    """What the next training step does to the live state."""
+    sd["w"].mul_(3)
+    sd["nested"]["bf16"].add_(1)
+    sd["nested"]["list"][0].add_(1)
+    sd["nested"]["tuple"][0].add_(5)
+    sd["view"].add_(1)
+    sd["step"].add_(1)
+    sd["param_groups"][0]["lr"] = 0.5
+
+
+def _load(path: Path) -> dict[str, Any]:
+    out = _target()
+    dcp.load(out, storage_reader=nvdcp.NvcompReader(path))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["copy", "compress"])
+def test_staged_dict_plans_like_the_original(mode: str) -> None:
+    sd = _state()
+    staged = NvcompStager(cpu_mode=mode).stage(sd)
+    flat, _ = flatten_state_dict(sd)
+    flat_staged, _ = flatten_state_dict(staged)
+    assert list(flat_staged) == list(flat)
+    assert create_default_local_save_plan(flat_staged, True).items == create_default_local_save_plan(flat, True).items
+    assert isinstance(staged["w"], StagedTensor) and staged["w"].shape == sd["w"].shape
+    assert staged["w"].device.type == "meta"  # no data of its own
+    assert isinstance(staged["nested"]["tuple"][0], torch.Tensor) and not isinstance(
+        staged["nested"]["tuple"][0], StagedTensor)
+
+
+@pytest.mark.parametrize("mode", ["copy", "compress"])
+def test_saved_state_is_the_staged_one_not_the_mutated_one(tmp_path: Path, mode: str) -> None:
+    sd = _state()
+    snapshot = copy.deepcopy(sd)
+    stager = NvcompStager(cpu_mode=mode)
+    staged = stager.stage(sd)
+    _mutate(sd)
+    dcp.save(staged, storage_writer=nvdcp.NvcompWriter(tmp_path))
+    _assert_same(_load(tmp_path), snapshot)
+    stats = stager.last_stats
+    assert stats is not None and stats.shards == 8
+    if mode == "compress":
+        assert stats.compressed_shards == 8 and stats.staged_bytes < stats.raw_bytes
+    else:
+        assert stats.copied_shards == 8 and stats.staged_bytes == stats.raw_bytes
+
+
+def test_pre_encoded_items_are_written_without_compressing_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    staged = NvcompStager(cpu_mode="compress").stage(_state())
+    calls: list[str] = []
+    original = nvdcp.NvcompWriter._encode
+
+    def spy(self: Any, item: Any, data: Any) -> Any:
+        calls.append(item.type.name)
+        return original(self, item, data)
+
+    monkeypatch.setattr(nvdcp.NvcompWriter, "_encode", spy)
+    writer = nvdcp.NvcompWriter(tmp_path)
+    dcp.save(staged, storage_writer=writer)
+    assert calls and set(calls) == {"BYTE_IO"}  # only the pickled leaves
+    assert writer.last_report is not None and writer.last_report.ratio > 1.0
+
+
+def test_buffers_are_reused_across_saves(tmp_path: Path) -> None:
+    stager = NvcompStager(buffer_bytes=64 * MiB)
+    for i in range(3):
+        staged = stager.stage(_state())
+        kept = stager._buffers.kept_bytes  # type: ignore[union-attr]
+        base = staged["w"].staged_shards[0].tensor.untyped_storage().data_ptr()
+        if i == 0:
+            first = (kept, base)
+        assert (kept, base) == first  # same memory, nothing new allocated
+        dcp.save(staged, storage_writer=nvdcp.NvcompWriter(tmp_path / str(i)))
+    assert stager.last_stats is not None and stager.last_stats.temp_bytes == 0
+
+
+def test_kept_memory_is_bounded_and_overflow_is_temporary(tmp_path: Path) -> None:
+    stager = NvcompStager(buffer_bytes=32 * 1024)
+    sd = _state()
+    staged = stager.stage(sd)
+    buffers = stager._buffers
+    assert buffers is not None and buffers.kept_bytes <= 32 * 1024 and buffers.temp_bytes > 0
+    dcp.save(staged, storage_writer=nvdcp.NvcompWriter(tmp_path))
+    assert buffers.temp_bytes == 0  # released with the save
+    _assert_same(_load(tmp_path), sd)
+
+
+def test_host_buffers_align_and_carve_front_to_back() -> None:
+    buffers = HostBuffers(keep_bytes=4 * MiB, segment_bytes=MiB)
+    a = buffers.alloc(10)
+    b = buffers.alloc(100)
+    assert b.data_ptr() - a.data_ptr() == 64
+    big = buffers.alloc(3 * MiB)  # larger than a segment: a segment of its own
+    assert big.numel() == 3 * MiB and buffers.temp_bytes == 0
+    buffers.alloc(2 * MiB)  # over the kept limit: temporary
+    assert buffers.temp_bytes >= 2 * MiB and buffers.kept_bytes <= 4 * MiB
+    buffers.reset()
+    assert buffers.alloc(10).data_ptr() == a.data_ptr() and buffers.temp_bytes == 0
+
+
+def test_next_stage_waits_until_the_previous_save_wrote_its_data(tmp_path: Path) -> None:
+    stager = NvcompStager()
+    staged = stager.stage(_state())
+    order: list[str] = []
+
+    def second() -> None:
+        stager.stage(_state())
+        order.append("staged again")
+
+    t = threading.Thread(target=second)
+    t.start()
+    time.sleep(0.5)
+    assert t.is_alive()  # blocked: the first staged dict still holds the buffers
+    order.append("saving")
+    dcp.save(staged, storage_writer=nvdcp.NvcompWriter(tmp_path))
+    t.join(30)
+    assert order == ["saving", "staged again"]
+    _assert_same(_load(tmp_path), _state())
+
+
+def test_buffers_come_back_when_the_staged_dict_is_dropped() -> None:
+    stager = NvcompStager(wait_timeout_s=30)
+    staged = stager.stage(_state())
+    del staged  # e.g. a save that failed before writing
+    t0 = time.perf_counter()
+    stager.stage(_state())
+    assert time.perf_counter() - t0 < 5
+
+
+def test_a_stuck_previous_save_never_hangs_staging(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    stager = NvcompStager(wait_timeout_s=0.3)
+    sd = _state()
+    held = stager.stage(sd)
+    with caplog.at_level(logging.WARNING, logger="nvdcp.dcp.stager"):
+        other = stager.stage({"x": torch.full((5000,), 9.0)})
+    assert "still holds its staging buffers" in caplog.text
+    # The held dict's bytes were not overwritten: both still save correctly.
+    dcp.save(held, storage_writer=nvdcp.NvcompWriter(tmp_path / "held"))
+    dcp.save(other, storage_writer=nvdcp.NvcompWriter(tmp_path / "other"))
+    _assert_same(_load(tmp_path / "held"), sd)
+    out = {"x": torch.zeros(5000)}
+    dcp.load(out, storage_reader=nvdcp.NvcompReader(tmp_path / "other"))
+    assert torch.equal(out["x"], torch.full((5000,), 9.0))
+
+
+@pytest.mark.parametrize("mode", ["copy", "compress"])
+def test_staged_dict_pickles_for_process_mode(tmp_path: Path, mode: str) -> None:
+    sd = _state()
+    staged = NvcompStager(cpu_mode=mode).stage(sd)
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  (registers torch's reductions, as in PROCESS mode)
+
+    copied = pickle.loads(ForkingPickler.dumps(staged))
+    assert isinstance(copied["w"], StagedTensor)
+    assert all(isinstance(s, StagedShard) and s.lease is None for s in copied["w"].staged_shards)
+    _mutate(sd)
+    dcp.save(copied, storage_writer=nvdcp.NvcompWriter(tmp_path))
+    _assert_same(_load(tmp_path), _state())
+
+
+def test_writer_and_stager_pickle_and_speak_async_stager(tmp_path: Path) -> None:
+    writer = nvdcp.NvcompWriter(tmp_path, codec="zstd")
+    assert isinstance(writer, AsyncStager) and not writer.should_synchronize_after_execute
+    dcp.save({"a": torch.ones(3)}, storage_writer=writer)  # a used writer must pickle too
+    again = pickle.loads(pickle.dumps(writer))
+    assert again.codec == "zstd" and again.last_report is None
+    stager = NvcompStager(cpu_mode="compress", buffer_bytes=8 * MiB)
+    stager.stage(_state())
+    clone = pickle.loads(pickle.dumps(stager))
+    assert (clone.cpu_mode, clone.buffer_bytes, clone._buffers) == ("compress", 8 * MiB, None)
+    assert isinstance(stager, AsyncStager)
+    stager.close()
+
+
+def test_async_save_with_the_writer_as_stager(tmp_path: Path) -> None:
+    sd = _state()
+    snapshot = copy.deepcopy(sd)
+    fut = dcp.async_save(sd, storage_writer=nvdcp.NvcompWriter(tmp_path))
+    _mutate(sd)
+    fut.result()
+    _assert_same(_load(tmp_path), snapshot)
+
+
+def test_async_save_twice_with_one_stager(tmp_path: Path) -> None:
+    stager = NvcompStager(cpu_mode="compress")
+    sd = _state()
+    for i in range(2):
+        snapshot = copy.deepcopy(sd)
+        fut = dcp.async_save(sd, storage_writer=nvdcp.NvcompWriter(tmp_path / str(i)), async_stager=stager)
+        _mutate(sd)
+        fut.result()
+        _assert_same(_load(tmp_path / str(i)), snapshot)
+    stager.close()
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="cpu_mode"):
+        NvcompStager(cpu_mode="gpu")
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        NvcompStager(chunk_bytes=10)
+    with pytest.raises(nvdcp.UnknownCodecError):
+        NvcompStager(codec="lzma")
