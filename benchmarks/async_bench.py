@@ -18,7 +18,8 @@ in place; then it waits for the upload. Per save:
   pinned storages; nvdcp: the stager's kept buffers plus the GPU encoder's pinned pool).
 
 The first save of a variant allocates (and pins) its buffers; later saves reuse them: the table
-shows the first save and the mean of the others. The last save of each variant is loaded back and
+shows the first save and the mean of the others (on torch < 2.13 each DefaultStager serves one
+save only: reusing one crashes there). The last save of each variant is loaded back and
 compared bit for bit with a snapshot taken before the state was overwritten. Prints a table and
 writes benchmarks/results/async_bench_<date>.json (or --out).
 """
@@ -81,14 +82,35 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+#: torch 2.11 crashes when one DefaultStager serves several saves (fixed in 2.13): a fresh one per save there.
+REUSE_DEFAULT_STAGER = torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
+
+
 class Variant:
-    """One way of saving: a writer factory and a stager (or none: plain dcp.save)."""
+    """One way of saving: a writer factory and a stager factory (none: plain dcp.save)."""
 
     def __init__(self, name: str, writer: Callable[[str], Any], reader: Callable[[str], Any],
-                 stager: Any = None, sync_save: bool = False) -> None:
-        self.name, self.writer, self.reader, self.stager, self.sync_save = name, writer, reader, stager, sync_save
+                 make_stager: Callable[[], Any] | None = None, sync_save: bool = False) -> None:
+        self.name, self.writer, self.reader, self.sync_save = name, writer, reader, sync_save
+        self.make_stager = make_stager
+        self.stager: Any = None
+        self.peak_pinned = 0
 
-    def pinned_bytes(self) -> int:
+    def _stager(self) -> Any:
+        if self.make_stager is None:
+            return None
+        if self.stager is not None and isinstance(self.stager, DefaultStager) and not REUSE_DEFAULT_STAGER:
+            self.close()
+        if self.stager is None:
+            self.stager = self.make_stager()
+        return self.stager
+
+    def close(self) -> None:
+        if self.stager is not None:
+            self.stager.close()
+            self.stager = None
+
+    def _pinned_now(self) -> int:
         if isinstance(self.stager, NvcompStager):
             buffers = self.stager._buffers
             return (buffers.pinned_bytes if buffers is not None else 0) + POOL.peak
@@ -106,8 +128,9 @@ class Variant:
             dcp.save(state, storage_writer=self.writer(path))
             sync()
             done = time.perf_counter() - t0
+            self.peak_pinned = max(self.peak_pinned, self._pinned_now())
             return done, done
-        response = dcp.async_save(state, storage_writer=self.writer(path), async_stager=self.stager)
+        response = dcp.async_save(state, storage_writer=self.writer(path), async_stager=self._stager())
         if isinstance(response, Future):
             upload = response
         else:  # AsyncSaveResponse: staging runs in the background too
@@ -116,13 +139,15 @@ class Variant:
         blocked = time.perf_counter() - t0
         next_step(state)
         upload.result()
-        return blocked, time.perf_counter() - t0
+        durable = time.perf_counter() - t0
+        self.peak_pinned = max(self.peak_pinned, self._pinned_now())
+        return blocked, durable
 
 
 def run(variant: Variant, state: Any, root: str, saves: int) -> dict[str, Any]:
     path = fresh_dir(os.path.join(root, variant.name.replace(" ", "_").replace("/", "_")))
     POOL.trim()
-    POOL.peak = POOL.in_use
+    POOL.peak = POOL.allocated
     blocked, durable = [], []
     want = None
     for i in range(saves):
@@ -141,15 +166,14 @@ def run(variant: Variant, state: Any, root: str, saves: int) -> dict[str, Any]:
         "blocked_first_s": round(blocked[0], 4), "durable_first_s": round(durable[0], 4),
         "blocked_s": round(statistics.mean(blocked[1:] or blocked), 4),
         "durable_s": round(statistics.mean(durable[1:] or durable), 4),
-        "peak_pinned_MiB": round(variant.pinned_bytes() / MiB, 1), "bit_exact": exact,
+        "peak_pinned_MiB": round(variant.peak_pinned / MiB, 1), "bit_exact": exact,
     }
     if isinstance(variant.stager, NvcompStager) and variant.stager.last_stats is not None:
         s = variant.stager.last_stats
         row["stage"] = {"gpu_shards": s.gpu_shards, "compressed_shards": s.compressed_shards,
                         "copied_shards": s.copied_shards, "staged_bytes": s.staged_bytes,
                         "temp_bytes": s.temp_bytes}
-    if variant.stager is not None:
-        variant.stager.close()
+    variant.close()
     return row
 
 
@@ -162,17 +186,17 @@ def variants(small: bool) -> list[Variant]:
         Variant("nvdcp sync dcp.save", nvdcp.NvcompWriter, ours_reader, sync_save=True),
         # torch's stager: a host copy of the whole state, pinned with CUDA (blocking; then also async).
         Variant("stock + DefaultStager", dcp.FileSystemWriter, stock_reader,
-                DefaultStager(StagingOptions(cuda, False, False, cuda))),
+                lambda: DefaultStager(StagingOptions(cuda, False, False, cuda))),
         Variant("nvdcp writer + DefaultStager", nvdcp.NvcompWriter, ours_reader,
-                DefaultStager(StagingOptions(cuda, False, False, cuda))),
-        Variant("nvdcp + NvcompStager", nvdcp.NvcompWriter, ours_reader, NvcompStager()),
+                lambda: DefaultStager(StagingOptions(cuda, False, False, cuda))),
+        Variant("nvdcp + NvcompStager", nvdcp.NvcompWriter, ours_reader, NvcompStager),
     ]
     if cuda:
         out.insert(3, Variant("stock + DefaultStager, async staging", dcp.FileSystemWriter, stock_reader,
-                              DefaultStager(StagingOptions(True, False, True, True))))
+                              lambda: DefaultStager(StagingOptions(True, False, True, True))))
     if small or not cuda:
         out.append(Variant("nvdcp + NvcompStager cpu compress", nvdcp.NvcompWriter, ours_reader,
-                           NvcompStager(cpu_mode="compress")))
+                           lambda: NvcompStager(cpu_mode="compress")))
     return out
 
 

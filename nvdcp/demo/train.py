@@ -192,8 +192,8 @@ class Checkpointer:
         line = f"step {step:5d} nvdcp save: {elapsed:.2f}s"
         if dist.get_rank() == 0 and writer.last_report is not None:
             report = writer.last_report
-            line = (f"step {step:5d} nvdcp save: {report.stored_bytes / 1e6:8.2f} MB, ratio {report.ratio:.3f}, "
-                    f"{elapsed:.2f}s")
+            ours = stored_bytes(path, self.options)  # every object, .metadata included (as for stock)
+            line = f"step {step:5d} nvdcp save: {ours / 1e6:8.2f} MB, ratio {report.ratio:.3f}, {elapsed:.2f}s"
         if self.args.compare_stock:
             line += self._compare_sync(state, path, elapsed)
         if dist.get_rank() == 0:
@@ -265,7 +265,8 @@ class Checkpointer:
             return
         reader = nvdcp.NvcompReader(p["path"], storage_options=self.options or None)
         report = Report.from_metadata("save", reader.storage.url, reader.read_metadata())
-        line = (f"step {p['step']:5d} nvdcp async_save: {report.stored_bytes / 1e6:8.2f} MB, ratio "
+        ours = stored_bytes(p["path"], self.options)  # every object, .metadata included (as for stock)
+        line = (f"step {p['step']:5d} nvdcp async_save: {ours / 1e6:8.2f} MB, ratio "
                 f"{report.ratio:.3f}, training blocked {p['blocked']:.3f}s, durable after {durable:.2f}s")
         stock = p["stock"]
         if stock is not None:
@@ -273,7 +274,7 @@ class Checkpointer:
                      f"durable after {stock['durable']:.2f}s")
             log_json(self.args.digest_log, {
                 "event": "compare", "mode": "async", "step": p["step"], "world": dist.get_world_size(),
-                "nvdcp_bytes": report.stored_bytes, "stock_bytes": stock["bytes"],
+                "nvdcp_bytes": ours, "stock_bytes": stock["bytes"],
                 "nvdcp_blocked_s": p["blocked"], "stock_blocked_s": stock["blocked"],
                 "nvdcp_save_s": durable, "stock_save_s": stock["durable"],
             })
