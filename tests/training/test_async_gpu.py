@@ -123,7 +123,8 @@ def test_staging_waits_for_the_kernel_that_writes_the_tensor(tmp_path: Path) -> 
 def test_pinned_buffers_are_reused_and_bounded(tmp_path: Path) -> None:
     model, optim = _trained()
     stager = NvcompStager(buffer_bytes=16 * MiB, gpu=GpuConfig(pinned_memory_bytes=64 * MiB))
-    POOL.peak = POOL.in_use  # the pool is per process: earlier tests' peaks do not count here
+    POOL.trim()  # the pool is per process: earlier tests' buffers and peaks do not count here
+    POOL.peak = POOL.allocated
     kept = []
     for i in range(3):
         sd = _state(model, optim)
