@@ -18,8 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import markdown_table, write_results  # noqa: E402
-from nvdcp.cli import bench  # noqa: E402
+from benchmarks.common import markdown_table, write_results
+from nvdcp.cli import bench
 
 
 def main(argv: list[str] | None = None) -> Path:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +29,36 @@ class Report:
     phases: dict[str, float] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The lock cannot be pickled; a writer or reader holding a report must still pickle
+        # (async_save PROCESS mode, DataLoader-style workers).
+        state = self.__dict__.copy()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        """Add the time the ``with`` block takes to ``phase`` (e.g. ``"commit_s"``)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(0, 0, **{phase: time.perf_counter() - t0})
+
+    @property
+    def gb_per_s(self) -> float | None:
+        """Uncompressed bytes per second of wall time (``None`` before ``seconds`` is set)."""
+        return self.raw_bytes / self.seconds / 1e9 if self.seconds else None
+
+    @property
+    def stored_gb_per_s(self) -> float | None:
+        """Stored (compressed) bytes per second of wall time: what storage saw."""
+        return self.stored_bytes / self.seconds / 1e9 if self.seconds else None
+
     def add(self, raw: int, stored: int, **phase_seconds: float) -> None:
         with self._lock:
             self.raw_bytes += raw
@@ -45,6 +78,7 @@ class Report:
             "seconds": round(self.seconds, 4),
             "phases": {k: round(v, 4) for k, v in sorted(self.phases.items())},
             "gb_per_s": round(self.raw_bytes / self.seconds / 1e9, 3) if self.seconds else None,
+            "stored_gb_per_s": round(self.stored_bytes / self.seconds / 1e9, 3) if self.seconds else None,
         }
 
     def summary(self) -> str:

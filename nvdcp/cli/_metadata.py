@@ -15,7 +15,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from nvdcp.dcp import metadata_io
-from nvdcp.dcp.metadata_io import METADATA_NAME, MAX_METADATA_BYTES
+from nvdcp.dcp.metadata_io import MAX_METADATA_BYTES, METADATA_NAME
 from nvdcp.errors import CorruptCheckpointError, IncompleteCheckpointError, MissingDataFileError
 from nvdcp.storage import Storage
 

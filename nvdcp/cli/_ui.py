@@ -42,7 +42,7 @@ out = _console(stderr=False)
 err = _console(stderr=True)
 
 
-def human(n: int | float | None) -> str:
+def human(n: float | None) -> str:
     """Bytes as people read them (decimal units, like ``ls -h --si`` and disk vendors)."""
     return "-" if n is None else decimal(int(n))
 

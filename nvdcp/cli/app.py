@@ -27,7 +27,7 @@ class Failure(click.ClickException):
 
     def __init__(self, message: str, exit_code: int = EXIT_ERROR, command: str | None = None) -> None:
         super().__init__(message)
-        self.exit_code = exit_code
+        self.exit_code = exit_code  # type: ignore[misc]  # click reads it per instance
         self.command = command
 
     def show(self, file: Any = None) -> None:

@@ -170,29 +170,41 @@ def checkpoint_tensors(path: str, storage_options: dict[str, Any] | None) -> Ite
 
 # -- codecs ------------------------------------------------------------------------------------
 class _CpuRunner:
+    """The writer's CPU path: items one after another, the chunks of each on every core."""
+
     device = "cpu"
 
     def __init__(self, codec: str, pool: ThreadPoolExecutor, chunk_bytes: int) -> None:
         cpu_codec(codec)  # raises CodecUnavailableError when its library is missing
         self.codec, self.pool, self.chunk_bytes = codec, pool, chunk_bytes
 
-    def run(self, t: torch.Tensor) -> tuple[int, float, float]:
-        raw = t.contiguous().reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
-        layout = choose_layout(t.dtype, self.codec)
-        t0 = time.perf_counter()
-        enc = encode_item(raw, kind=KIND_TENSOR, dtype_code=dtype_code(t.dtype), shape=tuple(t.shape),
-                          element_size=t.element_size(), layout=layout, pool=self.pool, chunk_bytes=self.chunk_bytes)
-        t1 = time.perf_counter()
-        record = b"".join([enc.header_bytes, *enc.chunks])  # the writer streams the parts instead
-        d0 = time.perf_counter()
-        _, back = decode_item(memoryview(record), self.codec, self.pool, t.element_size())
-        t2 = time.perf_counter()
-        if not np.array_equal(back, raw):
-            raise CorruptCheckpointError(f"codec {self.codec}: round trip is not bit-exact")
-        return len(record), t1 - t0, t2 - d0
+    def run(self, batch: list[torch.Tensor]) -> tuple[int, float, float]:
+        """Encode and decode ``batch``; returns (stored bytes, encode s, decode s)."""
+        stored, enc_s, dec_s = 0, 0.0, 0.0
+        for t in batch:
+            raw = t.contiguous().reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
+            layout = choose_layout(t.dtype, self.codec)
+            t0 = time.perf_counter()
+            enc = encode_item(raw, kind=KIND_TENSOR, dtype_code=dtype_code(t.dtype), shape=tuple(t.shape),
+                              element_size=t.element_size(), layout=layout, pool=self.pool,
+                              chunk_bytes=self.chunk_bytes)
+            enc_s += time.perf_counter() - t0
+            record = b"".join([enc.header_bytes, *enc.chunks])  # the writer streams the parts instead
+            t1 = time.perf_counter()
+            _, back = decode_item(memoryview(record), self.codec, self.pool, t.element_size())
+            dec_s += time.perf_counter() - t1
+            if not np.array_equal(back, raw):
+                raise CorruptCheckpointError(f"codec {self.codec}: round trip is not bit-exact")
+            stored += len(record)
+        return stored, enc_s, dec_s
 
 
 class _GpuRunner:
+    """The writer's and reader's GPU path: one batched nvCOMP encode over many items (as the
+    writer hands a data file's items to one ``GpuEncoder.encode``), one ``decode_many`` back.
+    Times include the device->host copies and host CRC32Cs of encoding, and the host->device
+    copies of decoding, as in a save and a load."""
+
     device = "cuda"
 
     def __init__(self, codec: str, pool: ThreadPoolExecutor, chunk_bytes: int) -> None:
@@ -206,28 +218,54 @@ class _GpuRunner:
         self.encoder = GpuEncoder(self.dev, chunk_bytes=chunk_bytes, budget_bytes=budget, gdeflate_type=0, pool=pool)
         self.decoder = GpuDecoder(self.dev, budget_bytes=budget)
 
-    def run(self, t: torch.Tensor) -> tuple[int, float, float]:
+    def run(self, batch: list[torch.Tensor]) -> tuple[int, float, float]:
         from nvdcp.format.header import parse_item_header
+        from nvdcp.gpu.decoder import DecodeRequest
         from nvdcp.gpu.encoder import GpuJob
 
-        src = t.to(self.dev).contiguous()
-        flat = src.reshape(-1).view(torch.uint8) if src.numel() else torch.empty(0, dtype=torch.uint8, device=self.dev)
-        layout = choose_layout(t.dtype, self.codec, auto_codec=self.codec)
-        job = GpuJob(None, flat, layout, t.dtype, dtype_code(t.dtype), tuple(t.shape))
+        jobs = []
+        batch = [t for t in batch if t.numel()]  # nothing to compress (and nvCOMP takes no empty batch)
+        if not batch:
+            return 0, 0.0, 0.0
+        for k, t in enumerate(batch):
+            src = t.to(self.dev).contiguous()
+            flat = src.reshape(-1).view(torch.uint8) if src.numel() else torch.empty(0, dtype=torch.uint8, device=self.dev)
+            layout = choose_layout(t.dtype, self.codec, auto_codec=self.codec)
+            jobs.append(GpuJob(k, flat, layout, t.dtype, dtype_code(t.dtype), tuple(t.shape)))
         torch.cuda.synchronize(self.dev)
+        records: dict[int, bytes] = {}
         t0 = time.perf_counter()
-        record = b""
-        for _, enc in self.encoder.encode([job]):
-            record = b"".join([enc.header_bytes, *enc.chunks])  # on the host, as the writer has it
+        for job, enc in self.encoder.encode(jobs):
+            # on the host, as the writer has it (the chunks are views of a reused pinned buffer)
+            records[job.key] = b"".join([enc.header_bytes, *enc.chunks])
         t1 = time.perf_counter()
-        header = parse_item_header(memoryview(record), self.codec)
-        payload = np.frombuffer(record, dtype=np.uint8)[header.header_bytes :]
-        back = self.decoder.decode(payload, header, t.dtype, self.codec)
-        torch.cuda.synchronize(self.dev)
+        requests = []
+        for job in jobs:
+            header = parse_item_header(memoryview(records[job.key]), self.codec)
+            payload = np.frombuffer(records[job.key], dtype=np.uint8)[header.header_bytes :]
+            requests.append(DecodeRequest(header=header, dtype=job.dtype, where=self.codec, payload=payload))
         t2 = time.perf_counter()
-        if not torch.equal(back, flat):
-            raise CorruptCheckpointError(f"GPU codec {self.codec}: round trip is not bit-exact")
-        return len(record), t1 - t0, t2 - t1
+        outs = self.decoder.decode_many(requests)
+        torch.cuda.synchronize(self.dev)
+        t3 = time.perf_counter()
+        for job, back in zip(jobs, outs):
+            if not torch.equal(back, job.data):
+                raise CorruptCheckpointError(f"GPU codec {self.codec}: round trip is not bit-exact")
+        return sum(len(r) for r in records.values()), t1 - t0, t3 - t2
+
+
+def _batches(tensors: Iterator[tuple[str, torch.Tensor]], batch_bytes: int) -> Iterator[list[torch.Tensor]]:
+    """Tensors grouped by dtype into batches of about ``batch_bytes`` (streamed: at most one
+    pending batch per dtype is held)."""
+    pending: dict[torch.dtype, list[torch.Tensor]] = {}
+    size: dict[torch.dtype, int] = {}
+    for _, t in tensors:
+        pending.setdefault(t.dtype, []).append(t)
+        size[t.dtype] = size.get(t.dtype, 0) + t.numel() * t.element_size()
+        if size[t.dtype] >= batch_bytes:
+            yield pending.pop(t.dtype)
+            size[t.dtype] = 0
+    yield from pending.values()
 
 
 def run_bench(
@@ -238,6 +276,7 @@ def run_bench(
     gpu: bool | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     threads: int | None = None,
+    batch_bytes: int = 256 << 20,
     progress: Callable[[int, int], None] | None = None,
 ) -> BenchResult:
     """Encode and decode every tensor ``tensors()`` yields with every codec, per dtype.
@@ -245,7 +284,8 @@ def run_bench(
     ``codecs`` limits the codecs (default: every CPU codec, and with ``gpu`` every nvCOMP codec on
     the GPU; ``gpu=None`` means "when this machine has one"). Codecs that cannot run here are
     listed in ``skipped`` with the reason. ``tensors`` is called once per codec, so inputs are
-    streamed rather than held.
+    streamed rather than held; they go to the codecs in per-dtype batches of ``batch_bytes``
+    (the GPU path encodes a batch in one call, as the writer does a data file's items).
     """
     use_gpu = gpu_available() if gpu is None else gpu
     if use_gpu and not gpu_available():
@@ -269,11 +309,12 @@ def run_bench(
     try:
         for k, runner in enumerate(runners):
             rows: dict[str, Row] = {}
-            for _, t in tensors():
-                stored, enc_s, dec_s = runner.run(t)
-                row = rows.setdefault(str(t.dtype).removeprefix("torch."), Row(runner.codec, runner.device, str(t.dtype).removeprefix("torch.")))
-                row.items += 1
-                row.raw_bytes += t.numel() * t.element_size()
+            for batch in _batches(tensors(), batch_bytes):
+                stored, enc_s, dec_s = runner.run(batch)
+                dtype = str(batch[0].dtype).removeprefix("torch.")
+                row = rows.setdefault(dtype, Row(runner.codec, runner.device, dtype))
+                row.items += len(batch)
+                row.raw_bytes += sum(t.numel() * t.element_size() for t in batch)
                 row.stored_bytes += stored
                 row.encode_s += enc_s
                 row.decode_s += dec_s
@@ -302,26 +343,28 @@ def plot(result: BenchResult, path: str) -> None:
     ratio = {(f"{r.codec}@{r.device}", r.dtype): r.ratio for r in result.rows}
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [max(2, len(dtypes)), 2]})
     width = 0.8 / max(1, len(labels))
-    colors = plt.get_cmap("tab10").colors
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, label in enumerate(labels):
         xs = [d + (i - (len(labels) - 1) / 2) * width for d in range(len(dtypes))]
         ys = [ratio.get((label, dt), 0.0) for dt in dtypes]
         bars = ax1.bar(xs, ys, width, label=label, color=colors[i % len(colors)])
         ax1.bar_label(bars, fmt="%.2f", fontsize=7, padding=1)
     ax1.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    top = max([1.0, *ratio.values()])
+    ax1.set_ylim(0, top * (1.2 + 0.06 * ((len(labels) - 1) // 4)))  # room for the legend above the bars
     ax1.set_xticks(range(len(dtypes)), dtypes)
     ax1.set_ylabel("compression ratio (original / stored)")
     ax1.set_title("Ratio per dtype")
-    ax1.legend(fontsize=8)
+    ax1.legend(fontsize=7, ncols=min(4, len(labels)), loc="upper left")
     totals = result.totals()
-    xs = np.arange(len(totals))
+    pos = np.arange(len(totals))
     enc = [t.encode_gbps or 0.0 for t in totals]
     dec = [t.decode_gbps or 0.0 for t in totals]
-    b1 = ax2.bar(xs - 0.2, enc, 0.4, label="encode", color="#4878d0")
-    b2 = ax2.bar(xs + 0.2, dec, 0.4, label="decode", color="#ee854a")
+    b1 = ax2.bar(pos - 0.2, enc, 0.4, label="encode", color="#4878d0")
+    b2 = ax2.bar(pos + 0.2, dec, 0.4, label="decode", color="#ee854a")
     ax2.bar_label(b1, fmt="%.2f", fontsize=7, padding=1)
     ax2.bar_label(b2, fmt="%.2f", fontsize=7, padding=1)
-    ax2.set_xticks(xs, [f"{t.codec}@{t.device}" for t in totals], rotation=20)
+    ax2.set_xticks(pos, [f"{t.codec}@{t.device}" for t in totals], rotation=20)
     ax2.set_ylabel("GB/s of original bytes")
     ax2.set_title("Throughput, all dtypes")
     ax2.legend(fontsize=8)

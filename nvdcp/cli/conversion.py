@@ -29,7 +29,11 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo, _StorageReaderTransforms
+from torch.distributed.checkpoint.filesystem import (
+    CURRENT_DCP_VERSION,
+    _StorageInfo,
+    _StorageReaderTransforms,
+)
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -287,8 +291,8 @@ class _Converter:
     def encode(self, job: _Job, raw: np.ndarray) -> tuple[list[bytes | memoryview], str | None]:
         """The stored bytes of the item (in parts) and, for nvdcp output, its main codec."""
         if self.options.to == "stock":
-            if job.dtype is None:
-                return [memoryview(raw)], None
+            if job.dtype is None or job.shape is None:
+                return [raw.data], None
             tensor = torch.from_numpy(raw).view(job.dtype).reshape(job.shape) if raw.size else torch.empty(job.shape, dtype=job.dtype)
             buf = io.BytesIO()
             torch.save(tensor, buf)
@@ -301,7 +305,9 @@ class _Converter:
         assert job.shape is not None
         layout = choose_layout(job.dtype, self.options.codec)
         if self.options.codec in GPU_ONLY:
-            return self._encode_gpu(job, raw, layout), layout.descriptor_codec
+            if raw.size:
+                return self._encode_gpu(job, raw, layout), layout.descriptor_codec
+            layout = choose_layout(job.dtype, "none")  # no chunks to compress; nvCOMP takes no empty batch
         enc = encode_item(raw, kind=KIND_TENSOR, dtype_code=dtype_code(job.dtype), shape=job.shape,
                           element_size=torch.empty((), dtype=job.dtype).element_size(), layout=layout,
                           pool=self.codec_pool, chunk_bytes=self.options.chunk_bytes)
@@ -447,4 +453,4 @@ def convert_checkpoint(
     return _Converter(os.fspath(src), os.fspath(dst), options or ConvertOptions(), src_options, dst_options).run(progress)
 
 
-__all__ = ["ConvertOptions", "ConvertResult", "FORMATS", "Source", "bounded_map", "convert_checkpoint"]
+__all__ = ["FORMATS", "ConvertOptions", "ConvertResult", "Source", "bounded_map", "convert_checkpoint"]

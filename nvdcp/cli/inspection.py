@@ -14,11 +14,16 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
 
+from nvdcp.cli._metadata import load_any_metadata
 from nvdcp.codecs import CODEC_TABLE
 from nvdcp.dcp import descriptor
-from nvdcp.cli._metadata import load_any_metadata
 from nvdcp.errors import CorruptCheckpointError, NvdcpError
 from nvdcp.format.header import (
     FILE_FIXED_SIZE,

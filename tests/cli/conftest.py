@@ -59,7 +59,7 @@ def _env() -> dict[str, str]:
 def cli(*args: str | os.PathLike[str], timeout: float = 120) -> Ran:
     """``python -m nvdcp ARGS`` in a subprocess."""
     proc = subprocess.run(
-        [sys.executable, "-m", "nvdcp", *map(os.fspath, args)], capture_output=True, text=True,
+        [sys.executable, "-m", "nvdcp", *map(os.fspath, args)], check=False, capture_output=True, text=True,
         timeout=timeout, env=_env(), cwd=REPO,
     )
     return Ran(proc.returncode, proc.stdout, proc.stderr)
@@ -152,4 +152,4 @@ def flip_byte(path: str | os.PathLike[str], fqn: str, where: int) -> str:
 
 
 # S3: the session's moto server on loopback and a fresh bucket per test (tests/s3/s3_testkit.py).
-from tests.s3.s3_testkit import moto_s3, s3env  # noqa: E402,F401
+from tests.s3.s3_testkit import moto_s3, s3env  # noqa: F401

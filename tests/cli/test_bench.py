@@ -17,7 +17,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 def test_reference_workload_json_and_plot(tmp_path: Path) -> None:
     chart = tmp_path / "bench.png"
-    ran = cli("bench", *TINY, "--codec", "none", "--codec", "zstd", "--json", "--plot", chart)
+    ran = cli("bench", *TINY, "--codec", "none", "--codec", "zstd", "--no-gpu", "--json", "--plot", chart)
     assert ran.exit_code == 0, ran.stderr
     doc = ran.json()
     assert doc["schema"] == "nvdcp.codec_bench/1" and doc["source"]["steps"] == 1
@@ -32,11 +32,11 @@ def test_reference_workload_json_and_plot(tmp_path: Path) -> None:
 
 
 def test_checkpoint_table(ckpts: dict[str, Path]) -> None:
-    ran = invoke("bench", ckpts["nvdcp"], "--codec", "zstd", "--codec", "gdeflate")
+    ran = invoke("bench", ckpts["nvdcp"], "--codec", "zstd", "--codec", "gdeflate", "--no-gpu")
     assert ran.exit_code == 0, ran.stderr
     for needle in ("codec bench", "zstd", "gdeflate", "float32", "int64", "bool", "bfloat16", "all", "GB/s"):
         assert needle in ran.stdout, needle
-    doc = invoke("bench", ckpts["stock"], "--codec", "zstd", "--json").json()
+    doc = invoke("bench", ckpts["stock"], "--codec", "zstd", "--no-gpu", "--json").json()
     by_dtype = {r["dtype"]: r for r in doc["results"]}
     assert by_dtype["int64"]["ratio"] > 10 and by_dtype["float32"]["items"] == 3  # embed, empty, scale
 
@@ -64,7 +64,7 @@ def test_gpu_only_codecs_are_skipped_without_a_gpu(ckpts: dict[str, Path]) -> No
 def test_benchmark_script_smoke(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "benchmarks/codec_bench.py", *TINY, "--codec", "zstd", "--no-bf16", "--out", str(tmp_path)],
-        capture_output=True, text=True, env=_env(), cwd=REPO, timeout=120,
+        check=False, capture_output=True, text=True, env=_env(), cwd=REPO, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     [result] = tmp_path.glob("codec_bench_*.json")

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
@@ -46,7 +45,7 @@ def test_stock_to_nvdcp_to_stock_is_bit_exact(ckpts: dict[str, Path], tmp_path: 
     assert "(nvdcp) ->" in ran.stdout and "(stock DCP)" in ran.stdout
     assert sorted(os.listdir(back)) == sorted(os.listdir(ckpts["stock"]))  # .metadata, __0_0.distcp
     assert all(r.transform_descriptors is None for r in records(back).values())
-    proc = subprocess.run([sys.executable, "-c", _STOCK_LOAD, str(back)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", _STOCK_LOAD, str(back)], check=False, capture_output=True, text=True,
                           env=_env(), cwd=REPO, timeout=120)
     assert proc.returncode == 0 and "stock-only load ok" in proc.stdout, proc.stderr
 
@@ -138,8 +137,11 @@ def test_bad_arguments(ckpts: dict[str, Path], tmp_path: Path) -> None:
     for args, message in cases:
         ran = invoke("convert", ckpts["stock"], out, *args)
         assert ran.exit_code == 2 and message in ran.stderr, (args, ran.stderr)
-    ran = invoke("convert", ckpts["stock"], out, "--codec", "ans")
-    assert ran.exit_code == 3 and "NVIDIA GPU" in ran.stderr
+    from nvdcp.gpu import gpu_available
+
+    if not gpu_available():
+        ran = invoke("convert", ckpts["stock"], out, "--codec", "ans")
+        assert ran.exit_code == 3 and "NVIDIA GPU" in ran.stderr
     ran = invoke("convert", ckpts["stock"], ckpts["stock"])
     assert ran.exit_code == 3 and "same location" in ran.stderr
     ran = invoke("convert", tmp_path / "nothing", out)
