@@ -10,6 +10,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from nvdcp.dcp.reader import NvcompReader
+from nvdcp.dcp.stager import NvcompStager
 from nvdcp.dcp.writer import NvcompWriter
 from nvdcp.verify import VerifyReport, verify_checkpoint
 from nvdcp.errors import (
@@ -29,6 +30,7 @@ from nvdcp.errors import (
 __all__ = [
     "NvcompWriter",
     "NvcompReader",
+    "NvcompStager",
     "NvdcpError",
     "CheckpointExistsError",
     "CodecUnavailableError",

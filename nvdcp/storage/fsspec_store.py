@@ -301,6 +301,17 @@ class FsspecStorage(Storage):
             raise translate_fsspec_error(exc, self.url, "list") from exc
         return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "file")
 
+    def list_children(self) -> list[str]:
+        """Sub-directories (prefixes) directly under the root, one checkpoint each."""
+        try:
+            self.fs.invalidate_cache(self.root)
+            entries = self.fs.ls(self.root, detail=True)
+        except FileNotFoundError:
+            return []
+        except Exception as exc:
+            raise translate_fsspec_error(exc, self.url, "list") from exc
+        return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory")
+
     def delete(self, names: Iterable[str]) -> None:
         names = list(names)
         paths = [self._path(n) for n in names]

@@ -479,6 +479,19 @@ class S3Storage(Storage):
 
         return sorted(self.call("ListObjectsV2", self.url, pages))
 
+    def list_children(self) -> list[str]:
+        """Sub-prefixes directly under the root (one checkpoint each), without the trailing ``/``."""
+        lead = f"{self.prefix}/" if self.prefix else ""
+
+        def pages() -> list[str]:
+            paginator = self.client.get_paginator("list_objects_v2")
+            names: list[str] = []
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=lead, Delimiter="/"):
+                names += [p["Prefix"][len(lead) :].rstrip("/") for p in page.get("CommonPrefixes", [])]
+            return names
+
+        return sorted(self.call("ListObjectsV2", self.url, pages))
+
     def delete(self, names: Iterable[str]) -> None:
         keys = [self.key(n) for n in names]
         for key in keys:
