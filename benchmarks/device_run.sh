@@ -12,3 +12,6 @@ python3 -m pytest -q -p no:cacheprovider -p no:logging --tb=short tests/gpu ${TE
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   python3 benchmarks/gpu_bench.py --out "$OUT" "$@" 2>&1 | tail -60
 fi
+if [ "${RUN_ASYNC:-0}" = 1 ]; then
+  python3 benchmarks/async_bench.py --out "$OUT" 2>&1 | grep -v "UserWarning\|return func" | tail -30
+fi
