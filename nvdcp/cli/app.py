@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import click
+from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
@@ -28,6 +29,9 @@ class Failure(click.ClickException):
     def __init__(self, message: str, exit_code: int = EXIT_ERROR, command: str | None = None) -> None:
         super().__init__(message)
         self.exit_code = exit_code  # type: ignore[misc]  # click reads it per instance
+        if command is None:
+            ctx = click.get_current_context(silent=True)
+            command = ctx.command_path if ctx else None
         self.command = command
 
     def show(self, file: Any = None) -> None:
@@ -125,6 +129,25 @@ def inspect(path: str, as_json: bool, shards: bool, threads: int, options: tuple
         raise Failure(f"{len(result.errors)} unreadable header(s); run `nvdcp verify {path}`", EXIT_DAMAGED)
 
 
+def _print_wide(table: Table) -> None:
+    """Print at the table's natural width even past a narrow terminal's: squeezing the columns
+    would cut names and numbers (rich drops whole columns), a wrapped line loses nothing."""
+    from rich.measure import Measurement
+
+    natural = Measurement.get(out, out.options.update_width(1 << 12), table).maximum
+    if natural <= out.width:
+        out.print(table)
+        return
+    # Console.print caps its width at the console's; a wider twin writes to the same stream
+    wide = Console(file=out.file, width=natural, highlight=False, force_terminal=out.is_terminal,
+                   no_color=out.no_color)
+    wide.print(table)
+
+
+def _plural(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
+
+
 def _shape(shape: list[int] | None) -> str:
     return "-" if shape is None else "[" + ", ".join(str(s) for s in shape) + "]"
 
@@ -155,7 +178,7 @@ def _render_inspection(result: Any, shards: bool) -> None:
         lines.append(f"  saved with   nvdcp {vals('nvdcp')}, torch {vals('torch')}, nvCOMP {vals('nvcomp')}")
     total = result.total()
     lines.append(
-        f"  contents     {total.items} items in {total.shards} stored chunks, {len(result.files)} data files, "
+        f"  contents     {total.items} items in {total.shards} stored chunks, {_plural(len(result.files), 'data file')}, "
         f".metadata {human(result.metadata_bytes)}"
     )
     for line in lines:
@@ -165,6 +188,8 @@ def _render_inspection(result: Any, shards: bool) -> None:
     for name, justify in [("FQN", "left"), ("dtype", "left"), ("shape", "left"), ("shards", "right"),
                           ("codec", "left"), ("original", "right"), ("stored", "right"), ("ratio", "right")]:
         table.add_column(name, justify=justify, no_wrap=name != "FQN", overflow="fold")  # type: ignore[arg-type]
+    if shards:
+        table.add_column("file@offset", overflow="fold")
     item: Item
     for item in result.items:
         codecs = sorted({_codec_cell(s.plane_codecs, s.codec, s.transform) for s in item.shards}) or ["-"]
@@ -175,21 +200,21 @@ def _render_inspection(result: Any, shards: bool) -> None:
         table.add_row(
             escape(item.fqn), item.dtype or "bytes", _shape(item.shape), shard_cell, ", ".join(codecs),
             human(item.original_bytes), human(item.stored_bytes), _ui.fmt_ratio(ratio),
-            style="red" if any(s.error for s in item.shards) else None,
+            *([""] if shards else []), style="red" if any(s.error for s in item.shards) else None,
         )
         if shards:
             for s in item.shards:
                 region = "whole" if s.offsets is None or s.sizes is None else (
                     "[" + ", ".join(f"{o}:{o + n}" for o, n in zip(s.offsets, s.sizes)) + "]"
                 )
-                where = f"  - {region} {s.file}@{s.file_offset}"
                 r = s.original_bytes / s.stored_bytes if s.stored_bytes else None
                 table.add_row(
-                    escape(where), "", "", "", _codec_cell(s.plane_codecs, s.codec, s.transform),
-                    human(s.original_bytes), human(s.stored_bytes), _ui.fmt_ratio(r), style="dim",
+                    f"  - {region}", "", "", "", _codec_cell(s.plane_codecs, s.codec, s.transform),
+                    human(s.original_bytes), human(s.stored_bytes), _ui.fmt_ratio(r),
+                    escape(f"{s.file}@{s.file_offset}"), style="dim",
                 )
     out.print()
-    out.print(table)
+    _print_wide(table)
 
     by_dtype = Table(title="By dtype", title_justify="left", show_edge=False, pad_edge=False, show_footer=True)
     by_dtype.add_column("dtype", footer="total")
@@ -306,7 +331,7 @@ def convert(src: str, dst: str, to: str, codec: str, max_memory: int, threads: i
     out.print(
         f"converted {result.source} ({result.source_format}) -> {result.destination} ({target})\n"
         f"  {r.items} items, {human(r.raw_bytes)} original: {human(result.source_stored_bytes)} -> "
-        f"{human(r.stored_bytes)} stored (ratio {r.ratio:.3f}) in {result.files} data file{'s' if result.files != 1 else ''}, "
+        f"{human(r.stored_bytes)} stored (ratio {r.ratio:.3f}) in {_plural(result.files, 'data file')}, "
         f"{r.seconds:.2f}s ({r.raw_bytes / r.seconds / 1e9 if r.seconds else 0:.2f} GB/s)\n"
         f"  phases (summed over threads): " + " ".join(f"{k}={v:.3f}s" for k, v in sorted(r.phases.items())),
         soft_wrap=True, markup=False,
@@ -405,7 +430,7 @@ def _render_bench(result: Any) -> None:
         table.add_row(r.codec, r.device, r.dtype, str(r.items), human(r.raw_bytes), human(r.stored_bytes),
                       f"{r.ratio:.3f}", _gbps(r.encode_gbps), _gbps(r.decode_gbps))
         last = key
-    out.print(table)
+    _print_wide(table)
 
 
 def _gbps(v: float | None) -> str:
