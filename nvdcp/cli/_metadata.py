@@ -49,6 +49,10 @@ def load_any_metadata(storage: Storage) -> Metadata:
         raise CorruptCheckpointError(f"{where}: holds {type(metadata).__name__}, not Metadata")
     if not isinstance(metadata.storage_data, dict):
         raise CorruptCheckpointError(f"{where}: has no storage records")
+    # The record checks (plain file names, sane ranges) of metadata_io, where this build has them.
+    check_records = getattr(metadata_io, "check_records", None)
+    if check_records is not None:
+        check_records(metadata, where)
     if getattr(metadata, "storage_meta", None) is None:
         metadata.storage_meta = StorageMeta()
     return metadata
