@@ -10,7 +10,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test,s3]"
+	$(PY) -m pip install -q -e ".[test,s3,cli]"
 	touch $@
 
 .PHONY: install demo test

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import logging
 import os
 import pickle
 import re
+import socket
+import threading
 import time
 import uuid
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -31,7 +35,12 @@ from torch.futures import Future
 from nvdcp.codecs import codec_name
 from nvdcp.dcp import descriptor
 from nvdcp.dcp.stager import StagedShard, WriterStagingMixin, release_staged
-from nvdcp.errors import CheckpointExistsError
+from nvdcp.errors import (
+    CheckpointExistsError,
+    CorruptCheckpointError,
+    MissingDataFileError,
+    TruncatedCheckpointError,
+)
 from nvdcp.format.dtypes import dtype_code
 from nvdcp.codecs import GPU_ONLY
 from nvdcp.errors import CodecUnavailableError
@@ -47,7 +56,13 @@ logger = logging.getLogger(__name__)
 
 from nvdcp.dcp.metadata_io import METADATA_NAME
 DATA_SUFFIX = ".nvdcp"
-_DATA_FILE = re.compile(r"^__\d+_[0-9a-f]+_\d+\.nvdcp$")
+_DATA_FILE = re.compile(r"^__\d+_([0-9a-f]+)_\d+\.nvdcp$")
+#: Marker of a save in progress (its token); matches ``.metadata.*.tmp`` on purpose, so tools
+#: that clean up after DCP writers (nvdcp.manage) remove a crashed save's marker too.
+_PENDING = re.compile(r"^\.metadata\.pending([0-9a-f]+)\.tmp$")
+_METADATA_TMP = re.compile(r"^\.metadata\.[0-9A-Za-z]+\.tmp$")
+#: A marker written on another machine is taken as abandoned after this long (no save lasts a day).
+ASSUME_DEAD_AFTER_S = 24 * 3600
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +172,7 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
         self.last_report: Report | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._caller_event: Any = None
+        self._pending_token: str | None = None
 
     # -- pickling (async_save PROCESS mode): no threads or handles travel ----------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -173,6 +189,7 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
 
     # -- StorageWriter -------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self._pending_token = None  # a save that never reached finish() is over
         if checkpoint_id:
             self.path = os.fspath(checkpoint_id)
             self.storage = open_storage(self.path, sync=self.sync_files, **self.storage_options)
@@ -197,6 +214,7 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         token = uuid.uuid4().hex[:12]
+        self._mark_pending(token)  # before any rank creates a data file of this save
         return [
             dataclasses.replace(p, storage_data=_FilePrefix(f"__{i}_{token}_")) for i, p in enumerate(plans)
         ]
@@ -237,11 +255,17 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
         storage_md = {wr.index: wr.storage_data for rank_results in results for wr in rank_results}
         metadata.storage_data = storage_md
         metadata.storage_meta = StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
-        self.storage.write_atomic(METADATA_NAME, pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL))
-        self._delete_unreferenced({info.relative_path for info in storage_md.values()})
+        blob = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+        self._check_data_files(storage_md)
+        self.storage.write_atomic(METADATA_NAME, blob)
+        self._delete_unreferenced({info.relative_path for info in storage_md.values()}, blob)
         total = Report.from_metadata("save", self.storage.url, metadata)
         if self.last_report is not None:
+            # whole-checkpoint bytes, this rank's phase times (the coordinator's view)
             total.seconds = self.last_report.seconds
+            total.add(0, 0, **self.last_report.phases)
+            if len(results) == 1:
+                total.raw_bytes = self.last_report.raw_bytes
         self.last_report = total
         logger.info("nvdcp save %s", total.summary())
 
@@ -259,13 +283,93 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
         return supports_url(os.fspath(checkpoint_id))
 
     # -- internals -----------------------------------------------------------------------------
-    def _delete_unreferenced(self, keep: set[str]) -> None:
-        """After the new ``.metadata`` is committed, remove data files of earlier saves."""
-        stale = [n for n in self.storage.list() if _DATA_FILE.match(n) and n not in keep]
-        stale += [n for n in self.storage.list() if n.startswith(METADATA_NAME + ".") and n.endswith(".tmp")]
+    def _mark_pending(self, token: str) -> None:
+        """Mark the save ``token`` in progress at this location (see ``_save_alive``)."""
+        self._pending_token = token
+        _LIVE_WRITERS[token] = self
+        self.storage.write_atomic(_pending_name(token), json.dumps(_owner(token)).encode())
+
+    def _check_data_files(self, records: dict[Any, Any]) -> None:
+        """Before committing: every data file the new ``.metadata`` names is there and whole."""
+        ends: dict[str, int] = {}
+        for info in records.values():
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+
+        def check(item: tuple[str, int]) -> None:
+            name, end = item
+            try:
+                size = self.storage.size(name)
+            except FileNotFoundError:
+                raise MissingDataFileError(
+                    f"{self.storage.describe(name)} was written by this save but is gone; "
+                    "another save to the same location may have deleted it. .metadata not written"
+                ) from None
+            if size != end:
+                cls = TruncatedCheckpointError if size < end else CorruptCheckpointError
+                raise cls(
+                    f"{self.storage.describe(name)} holds {size} bytes, this save wrote {end}; "
+                    "another writer changed it. .metadata not written"
+                )
+
+        with ThreadPoolExecutor(min(16, max(1, len(ends))), thread_name_prefix="nvdcp-check") as pool:
+            list(pool.map(check, ends.items()))
+
+    def _delete_unreferenced(self, keep: set[str], committed: bytes | None = None) -> None:
+        """After the new ``.metadata`` is committed, remove data files of earlier saves.
+
+        Files of a save still in progress at this location (a live marker) are kept. The order
+        makes that race-free on any store with read-after-write listing: data files are listed
+        before markers, and ``.metadata`` is read again after both. A marker missing from the
+        second listing for a file present in the first means that save committed in between,
+        and then ``.metadata`` is no longer ours: we only delete our own files (superseded).
+        """
+        own = self._pending_token
+        names = self.storage.list()
+        markers = {m.group(1): n for n in self.storage.list() if (m := _PENDING.match(n))}
+        live = {t for t, n in markers.items() if t != own and self._save_alive(t, n)}
+        try:
+            current = self.storage.read(METADATA_NAME) if committed is not None else None
+        except FileNotFoundError:
+            current = b""  # deleted under us (nvdcp.manage): nothing here is referenced any more
+        if committed is not None and current != committed:
+            logger.warning("a later save committed over %s; deleting this save's files", self.storage.url)
+            stale = [n for n in names if (m := _DATA_FILE.match(n)) and m.group(1) == own]
+        else:
+            stale = [n for n in names if (m := _DATA_FILE.match(n)) and n not in keep and m.group(1) not in live]
+            stale += [n for t, n in markers.items() if t != own and t not in live]
+            if not live:  # a temp file of a live save's commit may be in flight otherwise
+                stale += [n for n in names if _METADATA_TMP.match(n) and not _PENDING.match(n)]
         if stale:
             logger.debug("deleting %d files of earlier saves under %s", len(stale), self.storage.url)
             self.storage.delete(stale)
+        if own is not None:
+            self.storage.delete([_pending_name(own)])
+            self._pending_token = None
+            _LIVE_WRITERS.pop(own, None)
+        if live:
+            logger.info("kept the files of %d save(s) in progress under %s", len(live), self.storage.url)
+
+    def _save_alive(self, token: str, marker: str) -> bool:
+        """Whether the save that wrote ``marker`` may still write or commit.
+
+        Same process: it is live while its writer has not finished or moved on to another save.
+        Same machine and PID namespace: while its process runs (PID and start time match).
+        Elsewhere: for ``ASSUME_DEAD_AFTER_S`` after it started. An unreadable marker is dead
+        (markers are written atomically, so it is not one being written).
+        """
+        try:
+            info = json.loads(self.storage.read(marker))
+            where, pid, start, created = info["machine"], int(info["pid"]), info["start"], float(info["created"])
+        except FileNotFoundError:
+            return False
+        except (ValueError, KeyError, TypeError):
+            return False
+        if where == _machine() and where:
+            if pid == os.getpid() and start == _process_start(pid):
+                writer = _LIVE_WRITERS.get(token)
+                return writer is not None and writer._pending_token == token
+            return start is not None and _process_start(pid) == start
+        return time.time() - created < ASSUME_DEAD_AFTER_S
 
     def _encode(self, item: WriteItem, data: torch.Tensor | io.BytesIO) -> EncodedItem:
         pool = self._codec_pool()
@@ -282,6 +386,12 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
             code = dtype_code(data.dtype)
         except ValueError as exc:
             raise ValueError(f"item {item.index.fqn}: {exc}") from None
+        if self.codec in GPU_ONLY and data.numel() == 0:
+            layout = choose_layout(data.dtype, "none")  # nothing to compress, nothing needs a GPU
+            return encode_item(
+                np.empty(0, dtype=np.uint8), kind=KIND_TENSOR, dtype_code=code, shape=tuple(data.shape),
+                element_size=data.element_size(), layout=layout, pool=pool, chunk_bytes=self.chunk_bytes,
+            )
         if self.codec in GPU_ONLY:
             raise CodecUnavailableError(
                 f"item {item.index.fqn}: codec {self.codec!r} compresses only on an NVIDIA GPU with "
@@ -379,6 +489,48 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
             stream.abort()
             raise
         return results
+
+
+#: Writers with a save in progress in this process, by token (weak: a dropped writer's save is over).
+_LIVE_WRITERS: weakref.WeakValueDictionary[str, NvcompWriter] = weakref.WeakValueDictionary()
+
+
+def _pending_name(token: str) -> str:
+    return f"{METADATA_NAME}.pending{token}.tmp"
+
+
+def _process_start(pid: int) -> str | None:
+    """Start time of process ``pid`` (clock ticks since boot), or None if it is not running."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[19].decode()
+    except (OSError, IndexError):
+        return None
+
+
+_MACHINE_LOCK = threading.Lock()
+_MACHINE: list[str] = []
+
+
+def _machine() -> str:
+    """This kernel and PID namespace ("" where /proc cannot tell): where PIDs mean the same thing."""
+    with _MACHINE_LOCK:
+        if not _MACHINE:
+            try:
+                with open("/proc/sys/kernel/random/boot_id") as f:
+                    boot = f.read().strip()
+                ns = os.readlink("/proc/self/ns/pid")
+                _MACHINE.append(f"{socket.gethostname()}/{boot}/{ns}")
+            except OSError:
+                _MACHINE.append("")
+        return _MACHINE[0]
+
+
+def _owner(token: str) -> dict[str, object]:
+    return {
+        "token": token, "machine": _machine(), "pid": os.getpid(),
+        "start": _process_start(os.getpid()), "created": time.time(),
+    }
 
 
 def _main_codec(encoded: EncodedItem) -> str:
