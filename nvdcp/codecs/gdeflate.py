@@ -6,13 +6,21 @@ the library loads on machines without a GPU). Its bitstream is the one nvCOMP's 
 reads and writes, so a chunk written by either decodes on the other (checked on the H200 in
 tests/gpu). The CPU functions take a batch of chunks; we call them per chunk from a thread pool
 (the call releases the GIL, as every ctypes call does).
+
+nvCOMP's decoder throws a C++ exception on a malformed stream; reaching ctypes, that aborts the
+process. Readers only pass it chunks whose CRC32C matched, so damage never gets there, but a
+forged file could. ``_gdeflate_guard`` (a few lines of C++ built by setup.py when a compiler is
+present) catches the exception and we raise ``ValueError``; without it we call nvCOMP directly
+(docs/SECURITY.md).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import importlib.machinery
 import importlib.util
+import logging
 import os
 from collections.abc import Sequence
 from concurrent.futures import Executor
@@ -27,6 +35,9 @@ DEFAULT_CPU_LEVEL = 1
 
 _SIZE_P = ctypes.POINTER(ctypes.c_size_t)
 _VOID_PP = ctypes.POINTER(ctypes.c_void_p)
+_DECOMPRESS = "_ZN6nvcomp8gdeflate13decompressCPUEPKPKvPKmmPKPvPmSA_"
+
+logger = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -47,13 +58,36 @@ def _library() -> ctypes.CDLL:
     compress = lib["_ZN6nvcomp8gdeflate11compressCPUEPKPKvPKmmmPKPvPmi"]
     compress.argtypes = [_VOID_PP, _SIZE_P, ctypes.c_size_t, ctypes.c_size_t, _VOID_PP, _SIZE_P, ctypes.c_int]
     compress.restype = None
-    decompress = lib["_ZN6nvcomp8gdeflate13decompressCPUEPKPKvPKmmPKPvPmSA_"]
+    decompress = lib[_DECOMPRESS]
     decompress.argtypes = [_VOID_PP, _SIZE_P, ctypes.c_size_t, _VOID_PP, _SIZE_P, _SIZE_P]
     decompress.restype = None
     max_out = lib["_ZN6nvcomp8gdeflate32compressCPUGetMaxOutputChunkSizeEmPm"]
     max_out.argtypes = [ctypes.c_size_t, _SIZE_P]
     max_out.restype = None
     return lib
+
+
+@functools.cache
+def _guard() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """``nvdcp_gdeflate_decompress`` from the optional ``_gdeflate_guard`` library, or None."""
+    here = os.path.dirname(__file__)
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = os.path.join(here, "_gdeflate_guard" + suffix)
+        if os.path.exists(path):
+            fn = ctypes.CDLL(path).nvdcp_gdeflate_decompress
+            fn.argtypes = [
+                ctypes.c_void_p, _VOID_PP, _SIZE_P, ctypes.c_size_t, _VOID_PP, _SIZE_P, _SIZE_P,
+                ctypes.c_char_p, ctypes.c_size_t,
+            ]
+            fn.restype = ctypes.c_int
+            return fn
+    logger.debug("nvdcp.codecs._gdeflate_guard is not built: a malformed GDeflate stream aborts the process")
+    return None
+
+
+def guarded() -> bool:
+    """Whether malformed GDeflate streams raise ``ValueError`` here (instead of aborting)."""
+    return _guard() is not None
 
 
 def _address(buf: Buffer) -> tuple[int, object]:
@@ -126,9 +160,14 @@ class GDeflateCodec(Codec):
         out_ptrs = (ctypes.c_void_p * 1)(ctypes.addressof(dst))
         capacity = (ctypes.c_size_t * 1)(n)
         actual = (ctypes.c_size_t * 1)(0)
-        lib["_ZN6nvcomp8gdeflate13decompressCPUEPKPKvPKmmPKPvPmSA_"](
-            in_ptrs, in_sizes, 1, out_ptrs, capacity, actual
-        )
+        guard = _guard()
+        if guard is None:
+            lib[_DECOMPRESS](in_ptrs, in_sizes, 1, out_ptrs, capacity, actual)
+        else:
+            err = ctypes.create_string_buffer(256)
+            fn = ctypes.cast(lib[_DECOMPRESS], ctypes.c_void_p)
+            if guard(fn, in_ptrs, in_sizes, 1, out_ptrs, capacity, actual, err, len(err)):
+                raise ValueError(f"gdeflate stream does not decode: {err.value.decode(errors='replace')}")
         del keep, dst
         if actual[0] != n:
             raise ValueError(f"gdeflate stream decodes to {actual[0]} bytes, expected {n}")

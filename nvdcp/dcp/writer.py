@@ -315,24 +315,22 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
             list(pool.map(check, ends.items()))
 
     def _delete_unreferenced(self, keep: set[str], committed: bytes | None = None) -> None:
-        """After the new ``.metadata`` is committed, remove data files of earlier saves.
+        """After the new ``.metadata`` (``committed``) is committed, remove data files of earlier saves.
 
         Files of a save still in progress at this location (a live marker) are kept. The order
         makes that race-free on any store with read-after-write listing: data files are listed
         before markers, and ``.metadata`` is read again after both. A marker missing from the
-        second listing for a file present in the first means that save committed in between,
-        and then ``.metadata`` is no longer ours: we only delete our own files (superseded).
+        second listing for a file present in the first means that save committed in between;
+        then ``.metadata`` is no longer ours and we delete only our own files (superseded). After
+        our marker is gone we look once more: a save that committed over ours while our marker
+        still stood kept our files, so they are ours to delete.
         """
         own = self._pending_token
         names = self.storage.list()
         markers = {m.group(1): n for n in self.storage.list() if (m := _PENDING.match(n))}
         live = {t for t, n in markers.items() if t != own and self._save_alive(t, n)}
-        try:
-            current = self.storage.read(METADATA_NAME) if committed is not None else None
-        except FileNotFoundError:
-            current = b""  # deleted under us (nvdcp.manage): nothing here is referenced any more
-        if committed is not None and current != committed:
-            logger.warning("a later save committed over %s; deleting this save's files", self.storage.url)
+        superseded = committed is not None and self._superseded(committed)
+        if superseded:
             stale = [n for n in names if (m := _DATA_FILE.match(n)) and m.group(1) == own]
         else:
             stale = [n for n in names if (m := _DATA_FILE.match(n)) and n not in keep and m.group(1) not in live]
@@ -342,12 +340,26 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
         if stale:
             logger.debug("deleting %d files of earlier saves under %s", len(stale), self.storage.url)
             self.storage.delete(stale)
-        if own is not None:
-            self.storage.delete([_pending_name(own)])
-            self._pending_token = None
-            _LIVE_WRITERS.pop(own, None)
+        if own is None:
+            return
+        self.storage.delete([_pending_name(own)])
+        self._pending_token = None
+        _LIVE_WRITERS.pop(own, None)
+        if not superseded and committed is not None and self._superseded(committed):
+            self.storage.delete([n for n in names if (m := _DATA_FILE.match(n)) and m.group(1) == own])
         if live:
             logger.info("kept the files of %d save(s) in progress under %s", len(live), self.storage.url)
+
+    def _superseded(self, committed: bytes) -> bool:
+        """Whether ``.metadata`` is no longer the one this save committed."""
+        try:
+            current = self.storage.read(METADATA_NAME)
+        except FileNotFoundError:
+            current = b""  # deleted under us (nvdcp.manage): nothing here is referenced any more
+        if current != committed:
+            logger.warning("a later save committed over %s; removing this save's files", self.storage.url)
+            return True
+        return False
 
     def _save_alive(self, token: str, marker: str) -> bool:
         """Whether the save that wrote ``marker`` may still write or commit.

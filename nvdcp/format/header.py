@@ -26,7 +26,8 @@ TRANSFORM_NONE = 0
 TRANSFORM_BYTEPLANES = 1
 
 DEFAULT_CHUNK_BYTES = 1 << 16
-MAX_CHUNK_BYTES = 1 << 24
+MIN_CHUNK_BYTES = 1 << 10
+MAX_CHUNK_BYTES = 1 << 16  # the spec's range (docs/FORMAT.md); nvCOMP GDeflate's chunk limit
 MAX_NDIM = 64
 MAX_PLANES = 16
 
@@ -129,14 +130,21 @@ def item_header_size(prefix: memoryview, where: str) -> int:
     if version > FORMAT_VERSION:
         raise FormatVersionError(
             f"{where}: item written by container format v{version}; this nvdcp reads up to "
-            f"v{FORMAT_VERSION}; upgrade nvdcp"
+            f"v{FORMAT_VERSION}; upgrade nvdcp (if no newer nvdcp wrote it, the item header is damaged)"
         )
     if version < 1 or kind not in (KIND_TENSOR, KIND_BYTES) or transform not in (
         TRANSFORM_NONE, TRANSFORM_BYTEPLANES
     ):
         raise CorruptCheckpointError(f"{where}: invalid item header fields")
-    if not 1 <= n_planes <= MAX_PLANES or ndim > MAX_NDIM or not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
-        raise CorruptCheckpointError(f"{where}: item header out of range (planes/ndim/chunk size)")
+    if (
+        not 1 <= n_planes <= MAX_PLANES or ndim > MAX_NDIM
+        or not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES
+    ):
+        raise CorruptCheckpointError(
+            f"{where}: item header out of range ({n_planes} planes, ndim {ndim}, chunk size {chunk_bytes})"
+        )
+    if kind == KIND_BYTES and (n_planes != 1 or transform != TRANSFORM_NONE or ndim or dtype_code):
+        raise CorruptCheckpointError(f"{where}: a bytes item must have one plane, no transform and no shape")
     if raw_nbytes % n_planes:
         raise CorruptCheckpointError(f"{where}: {raw_nbytes} bytes do not split into {n_planes} planes")
     plane_nbytes = raw_nbytes // n_planes

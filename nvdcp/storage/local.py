@@ -16,10 +16,11 @@ from nvdcp.errors import (
 from nvdcp.storage.base import Buffer, Storage, WriteStream, check_name
 
 
-def _storage_error(exc: OSError, what: str) -> StorageError:
+def _storage_error(exc: OSError, what: str, path: str | None = None) -> StorageError:
+    """The one place OSErrors become :class:`StorageError`: errno kept, the path named."""
     reason = "disk full" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
     err = StorageError(exc.errno, f"{what}: {reason}")
-    err.filename = getattr(exc, "filename", None)
+    err.filename = getattr(exc, "filename", None) or path
     return err
 
 
@@ -41,7 +42,7 @@ class _LocalWriteStream(WriteStream):
         try:
             self._file = open(path, "wb", buffering=0)  # noqa: SIM115 - closed in commit/abort
         except OSError as exc:
-            raise _storage_error(exc, f"cannot create {path}") from exc
+            raise _storage_error(exc, f"cannot create {path}", path) from exc
         self._pos = 0
 
     def write(self, data: Buffer) -> None:
@@ -52,7 +53,7 @@ class _LocalWriteStream(WriteStream):
                 view = view[n:]
                 self._pos += n
         except OSError as exc:
-            raise _storage_error(exc, f"writing {self.path}") from exc
+            raise _storage_error(exc, f"writing {self.path}", self.path) from exc
 
     def tell(self) -> int:
         return self._pos
@@ -80,7 +81,7 @@ class _LocalWriteStream(WriteStream):
                 if views and n:
                     views[0] = views[0][n:]
         except OSError as exc:
-            raise _storage_error(exc, f"writing {self.path}") from exc
+            raise _storage_error(exc, f"writing {self.path}", self.path) from exc
 
     def commit(self) -> None:
         try:
@@ -88,7 +89,7 @@ class _LocalWriteStream(WriteStream):
                 os.fsync(self._file.fileno())
             self._file.close()
         except OSError as exc:
-            raise _storage_error(exc, f"committing {self.path}") from exc
+            raise _storage_error(exc, f"committing {self.path}", self.path) from exc
 
     def abort(self) -> None:
         if not self._file.closed:
@@ -134,7 +135,7 @@ class LocalStorage(Storage):
                 errno.ENOTDIR, f"{self.root} is a file, not a checkpoint directory"
             ) from exc
         except OSError as exc:
-            raise _storage_error(exc, f"cannot create {self.root}") from exc
+            raise _storage_error(exc, f"cannot create {self.root}", self.root) from exc
 
     def create(self, name: str) -> WriteStream:
         return _LocalWriteStream(self._path(name), self.sync)
@@ -146,9 +147,12 @@ class LocalStorage(Storage):
         try:
             stream.write(data)
             stream.commit()
-            os.replace(tmp, final)
-            if self.sync:
-                _fsync_dir(self.root)
+            try:
+                os.replace(tmp, final)
+                if self.sync:
+                    _fsync_dir(self.root)
+            except OSError as exc:
+                raise _storage_error(exc, f"committing {final}", final) from exc
         except BaseException:
             stream.abort()
             raise
@@ -160,8 +164,14 @@ class LocalStorage(Storage):
         except FileNotFoundError:
             raise MissingDataFileError(errno.ENOENT, f"{path}: data file is missing") from None
         except OSError as exc:
-            raise _storage_error(exc, f"cannot open {path}") from exc
+            raise _storage_error(exc, f"cannot open {path}", path) from exc
         try:
+            # .metadata may be hostile: check the range against the file before allocating it.
+            size = os.fstat(fd).st_size
+            if offset + length > size:
+                raise TruncatedCheckpointError(
+                    f"{path}: wanted {length} bytes at offset {offset}, file ends after {max(0, size - offset)}"
+                )
             buf = bytearray(length)
             view = memoryview(buf)
             got = 0
@@ -174,7 +184,7 @@ class LocalStorage(Storage):
                 got += n
             return buf
         except OSError as exc:
-            raise _storage_error(exc, f"reading {path}") from exc
+            raise _storage_error(exc, f"reading {path}", path) from exc
         finally:
             os.close(fd)
 
@@ -185,7 +195,7 @@ class LocalStorage(Storage):
         except FileNotFoundError:
             raise MissingDataFileError(errno.ENOENT, f"{path}: data file is missing") from None
         except OSError as exc:
-            raise _storage_error(exc, f"cannot open {path}") from exc
+            raise _storage_error(exc, f"cannot open {path}", path) from exc
         try:
             pending = [b for b in buffers if len(b)]
             pos = offset
@@ -201,7 +211,7 @@ class LocalStorage(Storage):
                 if pending and n:
                     pending[0] = pending[0][n:]
         except OSError as exc:
-            raise _storage_error(exc, f"reading {path}") from exc
+            raise _storage_error(exc, f"reading {path}", path) from exc
         finally:
             os.close(fd)
 
@@ -213,13 +223,16 @@ class LocalStorage(Storage):
         except FileNotFoundError:
             raise MissingDataFileError(errno.ENOENT, f"{path} does not exist") from None
         except OSError as exc:
-            raise _storage_error(exc, f"reading {path}") from exc
+            raise _storage_error(exc, f"reading {path}", path) from exc
 
     def size(self, name: str) -> int:
+        path = self._path(name)
         try:
-            return os.path.getsize(self._path(name))
+            return os.path.getsize(path)
         except FileNotFoundError:
-            raise MissingDataFileError(errno.ENOENT, f"{self._path(name)}: data file is missing") from None
+            raise MissingDataFileError(errno.ENOENT, f"{path}: data file is missing") from None
+        except OSError as exc:
+            raise _storage_error(exc, f"cannot stat {path}", path) from exc
 
     def exists(self, name: str) -> bool:
         return os.path.exists(self._path(name))
@@ -238,7 +251,10 @@ class LocalStorage(Storage):
 
     def delete(self, names: Iterable[str]) -> None:
         for name in names:
+            path = self._path(name)
             try:
-                os.unlink(self._path(name))
+                os.unlink(path)
             except FileNotFoundError:
                 pass
+            except OSError as exc:
+                raise _storage_error(exc, f"cannot delete {path}", path) from exc

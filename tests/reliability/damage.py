@@ -1,0 +1,181 @@
+"""Damage a saved checkpoint one byte (or one truncation) at a time and classify what a load and
+``nvdcp.verify_checkpoint`` make of it. Shared by tests/reliability and
+benchmarks/reliability_sweep.py (which runs many more cases)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+import nvdcp
+from nvdcp.format.header import FILE_FIXED_SIZE, ITEM_FIXED_SIZE, file_header_size, item_header_size
+from tests.conftest import random_tensor, weights_like
+from tests.dcp.helpers import empty_like_sd, failure_of
+from tests.reliability.faults import same_state
+
+
+def sample_state() -> dict[str, Any]:
+    """Every layout: byte planes (f32, bf16, i64), one plane (bool, u8), a scalar, bytes."""
+    return {
+        "w": weights_like((48, 100)),
+        "b16": weights_like((30, 70), torch.bfloat16, seed=1),
+        "ids": torch.arange(3000, dtype=torch.int64) * 7,
+        "mask": random_tensor(torch.bool, (2500,), seed=2),
+        "raw": random_tensor(torch.uint8, (1500,), seed=3),
+        "scalar": torch.tensor(2.5),
+        "extra": {"step": 7, "note": "x" * 300},
+    }
+
+
+def save_sample(path: Path, codec: str) -> dict[str, Any]:
+    sd = sample_state()
+    # 1 KiB chunks: many chunks and a long chunk table from a small state.
+    writer = nvdcp.NvcompWriter(path, codec=codec, chunk_bytes=1024, sync_files=False, codec_threads=1)
+    dcp.save(sd, storage_writer=writer)
+    return sd
+
+
+@dataclass
+class Region:
+    file: str
+    start: int
+    stop: int
+    kind: str  # "file header", "item header", "payload"
+    item: str | None = None
+
+
+def regions(path: Path) -> list[Region]:
+    """Every byte of every data file, classified (items are back to back after the file header)."""
+    md = nvdcp.NvcompReader(path).read_metadata()
+    out: list[Region] = []
+    files = sorted({info.relative_path for info in md.storage_data.values()})
+    for name in files:
+        data = (path / name).read_bytes()
+        fh = file_header_size(memoryview(data[:FILE_FIXED_SIZE]), name)
+        out.append(Region(name, 0, fh, "file header"))
+        records = sorted((info.offset, info.length, ix.fqn) for ix, info in md.storage_data.items()
+                         if info.relative_path == name)
+        expect = fh
+        for off, length, fqn in records:
+            assert off == expect, "items are back to back"
+            hb = item_header_size(memoryview(data[off : off + ITEM_FIXED_SIZE]), name)
+            out.append(Region(name, off, off + hb, "item header", fqn))
+            if length > hb:
+                out.append(Region(name, off + hb, off + length, "payload", fqn))
+            expect = off + length
+        assert expect == len(data), "no bytes outside records"
+    return out
+
+
+@dataclass
+class Tally:
+    cases: int = 0
+    outcomes: Counter[str] = field(default_factory=Counter)
+    failures: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"cases": self.cases, "outcomes": dict(self.outcomes), "failures": self.failures[:20]}
+
+
+def load_outcome(path: Path, want: dict[str, Any]) -> tuple[str, BaseException | None]:
+    sd = empty_like_sd(want)
+    try:
+        dcp.load(sd, storage_reader=nvdcp.NvcompReader(path, thread_count=1, codec_threads=1))
+    except (CheckpointException, nvdcp.NvdcpError) as exc:
+        err = failure_of(exc)
+        return type(err).__name__, err
+    return ("intact" if same_state(sd, want) else "WRONG"), None
+
+
+def check_flip(path: Path, region: Region, pos: int, xor: int, want: dict[str, Any], tally: Tally) -> None:
+    """Flip one byte, load and verify, restore; record the outcome and any contract breach."""
+    f = path / region.file
+    original = f.read_bytes()
+    damaged = bytearray(original)
+    damaged[pos] ^= xor
+    f.write_bytes(damaged)
+    try:
+        _judge(path, region, f"{region.kind} {region.file}@{pos}^{xor:#04x}", want, tally)
+    finally:
+        f.write_bytes(original)
+
+
+def check_truncation(path: Path, file: str, length: int, want: dict[str, Any], tally: Tally,
+                     all_regions: list[Region]) -> None:
+    f = path / file
+    original = f.read_bytes()
+    f.write_bytes(original[:length])
+    # The first record the cut reaches is the one a load must name.
+    hit = next(r for r in all_regions if r.file == file and r.stop > length)
+    try:
+        _judge(path, hit, f"truncated {file} to {length}", want, tally, truncated=True)
+    finally:
+        f.write_bytes(original)
+
+
+def _judge(path: Path, region: Region, case: str, want: dict[str, Any], tally: Tally,
+           truncated: bool = False) -> None:
+    tally.cases += 1
+    kind, err = load_outcome(path, want)
+    report = nvdcp.verify_checkpoint(path, threads=1)
+    tally.outcomes[f"{region.kind}: load {kind}"] += 1
+    tally.outcomes[f"{region.kind}: verify {'found' if report.damaged else 'clean'}"] += 1
+    problems = []
+    if kind == "WRONG":
+        problems.append("load returned wrong tensors")
+    if region.kind == "file header" and not truncated:
+        # Never read by load or verify (items are self-describing): tensors must come back intact.
+        if kind != "intact":
+            problems.append(f"file header flip broke the load: {kind}")
+    else:
+        if kind == "intact":
+            problems.append("damage not detected at load")
+        elif err is not None:
+            msg = str(err)
+            if region.file not in msg:
+                problems.append(f"error does not name the file: {msg}")
+            if region.item and not truncated and repr(region.item) not in msg:
+                problems.append(f"error does not name the item {region.item}: {msg}")
+            if region.kind == "payload" and not truncated and "chunk" not in msg:
+                problems.append(f"error does not name the chunk: {msg}")
+        if not report.damaged:
+            problems.append("verify_checkpoint found nothing")
+        elif region.item and not any(repr(region.item) in d.item for d in report.damaged):
+            problems.append(f"verify_checkpoint missed {region.item}: {report.damaged}")
+    if problems:
+        tally.failures.append(f"{case}: {'; '.join(problems)}")
+
+
+def sample_positions(all_regions: list[Region], per_kind: dict[str, int], seed: int) -> list[tuple[Region, int, int]]:
+    """``per_kind[k]`` random (region, position, xor) cases of each region kind ("all": every byte)."""
+    rng = random.Random(seed)
+    out: list[tuple[Region, int, int]] = []
+    for kind, n in per_kind.items():
+        spans = [(r, p) for r in all_regions if r.kind == kind for p in range(r.start, r.stop)]
+        picked = spans if n < 0 or n >= len(spans) else rng.sample(spans, n)
+        out += [(r, p, rng.randrange(1, 256)) for r, p in picked]
+    return out
+
+
+def truncation_lengths(all_regions: list[Region], n: int, seed: int) -> list[tuple[str, int]]:
+    """Cuts at 0, 1, inside the file header, at every record boundary +-1, and random ones."""
+    rng = random.Random(seed)
+    by_file: dict[str, int] = {}
+    for r in all_regions:
+        by_file[r.file] = max(by_file.get(r.file, 0), r.stop)
+    out: set[tuple[str, int]] = set()
+    for file, size in by_file.items():
+        marks = {0, 1, size - 1}
+        for r in all_regions:
+            if r.file == file:
+                marks |= {r.start + 1, r.stop - 1}
+        out |= {(file, m) for m in marks if 0 <= m < size}
+        out |= {(file, rng.randrange(0, size)) for _ in range(n)}
+    return sorted(out)

@@ -1,0 +1,68 @@
+"""Single-byte flips and truncations of data files: every one in an item is detected at load with
+an error naming the file, the item and (in a payload) the chunk, and by ``verify_checkpoint``;
+none returns wrong tensors. Flips in a data file's own header change nothing a load reads (items
+are self-describing): tensors come back intact, and ``nvdcp inspect`` reports the header.
+
+A sample runs here; benchmarks/reliability_sweep.py runs every byte of a larger checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nvdcp.cli.inspection import inspect_checkpoint
+from nvdcp.codecs.gdeflate import GDeflateCodec
+from tests.reliability import damage as D
+
+pytestmark = pytest.mark.timeout(240)
+
+CODECS = ["zstd", "none", pytest.param("gdeflate", marks=pytest.mark.skipif(
+    not GDeflateCodec.available(), reason="libnvcomp_cpu (nvidia-libnvcomp-cu12) is not installed"))]
+#: Cases per codec in CI: the sweep does all of them.
+PER_KIND = {"file header": 10, "item header": 40, "payload": 50}
+TRUNCATIONS = 4
+
+
+@pytest.fixture(scope="module", params=CODECS)
+def saved(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], list[D.Region]]:
+    path = tmp_path_factory.mktemp(f"damage-{request.param}")
+    sd = D.save_sample(path, request.param)
+    return path, sd, D.regions(path)
+
+
+def test_single_byte_flips_are_detected(saved: tuple[Path, dict[str, Any], list[D.Region]]) -> None:
+    path, sd, regions = saved
+    tally = D.Tally()
+    for region, pos, xor in D.sample_positions(regions, PER_KIND, seed=hash(path.name) & 0xFFFF):
+        D.check_flip(path, region, pos, xor, sd, tally)
+    assert not tally.failures, "\n".join(tally.failures)
+    assert tally.cases == sum(PER_KIND.values())
+    assert tally.outcomes["payload: verify found"] == PER_KIND["payload"]
+
+
+def test_truncations_are_detected(saved: tuple[Path, dict[str, Any], list[D.Region]]) -> None:
+    path, sd, regions = saved
+    tally = D.Tally()
+    for file, length in D.truncation_lengths(regions, TRUNCATIONS, seed=1):
+        D.check_truncation(path, file, length, sd, tally, regions)
+    assert not tally.failures, "\n".join(tally.failures)
+    assert tally.cases >= 3 * len([r for r in regions if r.kind == "item header"])
+
+
+def test_file_header_damage_is_reported_by_inspect(saved: tuple[Path, dict[str, Any], list[D.Region]]) -> None:
+    path, _, regions = saved
+    fh = next(r for r in regions if r.kind == "file header")
+    f = path / fh.file
+    original = f.read_bytes()
+    damaged = bytearray(original)
+    damaged[fh.stop - 7] ^= 0x20  # inside the JSON info
+    f.write_bytes(damaged)
+    try:
+        report = inspect_checkpoint(path, threads=1)
+        errors = [d.error for d in report.files if d.error]
+        assert errors and fh.file in errors[0] and "checksum" in errors[0]
+    finally:
+        f.write_bytes(original)
