@@ -14,10 +14,16 @@ from __future__ import annotations
 import dataclasses
 import enum
 import io
+import math
 import pickle
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
 
 from nvdcp.errors import CorruptCheckpointError, IncompleteCheckpointError, MissingDataFileError
 from nvdcp.storage import Storage
@@ -88,7 +94,18 @@ def load_metadata(storage: Storage) -> Metadata:
 
 
 def check_records(metadata: Metadata, where: str) -> None:
-    """Refuse storage records that point outside the checkpoint or hold impossible ranges."""
+    """Refuse storage records that point outside the checkpoint or hold impossible ranges, and
+    tensors whose chunks do not tile them (see ``_check_layout``)."""
+    try:
+        _check_records(metadata, where)
+    except (AttributeError, TypeError, ValueError, KeyError) as exc:
+        if isinstance(exc, CorruptCheckpointError):
+            raise
+        # Objects of the allowed classes, but not as DCP builds them (a damaged field name...)
+        raise CorruptCheckpointError(f"{where}: malformed metadata: {exc}") from exc
+
+
+def _check_records(metadata: Metadata, where: str) -> None:
     records = metadata.storage_data
     if not isinstance(records, dict):
         raise CorruptCheckpointError(f"{where}: has no storage records")
@@ -101,8 +118,78 @@ def check_records(metadata: Metadata, where: str) -> None:
         if id(name) not in names:
             check_name(name, f"{where}: item {fqn!r}")  # type: ignore[arg-type]
             names.add(id(name))
+        descs = getattr(info, "transform_descriptors", None)
+        if descs is not None and (not isinstance(descs, (tuple, list)) or not all(isinstance(d, str) for d in descs)):
+            raise CorruptCheckpointError(f"{where}: item {fqn!r} has malformed descriptors {descs!r}")
         for value in (offset, length):
             if type(value) is not int or not 0 <= value < MAX_RECORD_BYTES:
                 raise CorruptCheckpointError(
                     f"{where}: item {fqn!r} has an invalid byte range (offset {offset!r}, length {length!r})"
                 )
+    _check_layout(metadata, where)
+
+
+def _check_layout(metadata: Metadata, where: str) -> None:
+    """Every tensor's chunks tile it exactly, and every chunk and bytes item has a record.
+
+    DCP's planner reads only the chunks that overlap what is asked for: a chunk whose offsets or
+    sizes were damaged would leave part of a tensor unread, and the load would succeed with the
+    destination's old values there. Pickle has no checksum; this is the check instead.
+    """
+    records = metadata.storage_data
+    sdm = metadata.state_dict_metadata
+    if not isinstance(sdm, dict):
+        raise CorruptCheckpointError(f"{where}: has no state_dict_metadata")
+    for fqn, md in sdm.items():
+        if isinstance(md, TensorStorageMetadata):
+            boxes = _tile(fqn, md, where)
+            for offsets, _ in boxes:
+                if MetadataIndex(fqn, offsets) not in records:
+                    raise CorruptCheckpointError(f"{where}: item {fqn!r} chunk at {list(offsets)} has no storage record")
+        elif isinstance(md, BytesStorageMetadata):
+            if MetadataIndex(fqn) not in records:
+                raise CorruptCheckpointError(f"{where}: item {fqn!r} has no storage record")
+        else:
+            raise CorruptCheckpointError(f"{where}: item {fqn!r} is described by {type(md).__name__}")
+    for index in records:
+        if getattr(index, "fqn", None) not in sdm:
+            raise CorruptCheckpointError(f"{where}: storage record for unknown item {getattr(index, 'fqn', index)!r}")
+
+
+def _tile(fqn: str, md: TensorStorageMetadata, where: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    import torch
+
+    size = tuple(md.size)
+    if not isinstance(md.properties.dtype, torch.dtype):
+        raise CorruptCheckpointError(f"{where}: item {fqn!r} has no dtype")
+    boxes = []
+    total = 0
+    for chunk in md.chunks:
+        offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+        if len(offsets) != len(size) or len(sizes) != len(size) or not all(
+            type(o) is int and type(n) is int and 0 <= o and 0 <= n and o + n <= d
+            for o, n, d in zip(offsets, sizes, size)
+        ):
+            raise CorruptCheckpointError(
+                f"{where}: item {fqn!r} chunk at {list(offsets)} of {list(sizes)} lies outside its {list(size)}"
+            )
+        boxes.append((offsets, sizes))
+        total += math.prod(sizes)
+    if total != math.prod(size):
+        raise CorruptCheckpointError(
+            f"{where}: item {fqn!r} chunks hold {total} elements, the tensor has {math.prod(size)}"
+        )
+    # Same volume and all inside: any overlap leaves a gap. Sweep along the dimension the
+    # chunks are cut along most (the shard dimension), so a 1-D sharding costs O(n log n).
+    solid = [b for b in boxes if all(b[1])]
+    d = max(range(len(size)), key=lambda k: len({o[k] for o, _ in solid}), default=0)
+    solid.sort(key=lambda b: b[0][d] if size else 0)
+    for i, (off_a, len_a) in enumerate(solid):
+        for off_b, len_b in solid[i + 1 :]:
+            if size and off_b[d] >= off_a[d] + len_a[d]:
+                break
+            if all(ob < oa + la and oa < ob + lb for oa, la, ob, lb in zip(off_a, len_a, off_b, len_b)):
+                raise CorruptCheckpointError(
+                    f"{where}: item {fqn!r} chunks at {list(off_a)} and {list(off_b)} overlap"
+                )
+    return boxes

@@ -179,3 +179,27 @@ def truncation_lengths(all_regions: list[Region], n: int, seed: int) -> list[tup
         out |= {(file, m) for m in marks if 0 <= m < size}
         out |= {(file, rng.randrange(0, size)) for _ in range(n)}
     return sorted(out)
+
+
+def check_metadata_flip(path: Path, pos: int, xor: int, want: dict[str, Any], tally: Tally) -> None:
+    """Flip one byte of ``.metadata`` (no checksum of its own): any error is fine, wrong tensors not."""
+    f = path / ".metadata"
+    original = f.read_bytes()
+    damaged = bytearray(original)
+    damaged[pos] ^= xor
+    f.write_bytes(damaged)
+    tally.cases += 1
+    try:
+        sd = empty_like_sd(want)
+        try:
+            nvdcp.NvcompReader(path).read_metadata()  # dcp.load turns its errors into AssertionError text
+            dcp.load(sd, storage_reader=nvdcp.NvcompReader(path, thread_count=1, codec_threads=1))
+            kind = "intact" if same_state(sd, want) else "WRONG"
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any error is a refusal here
+            err = failure_of(exc)
+            kind = "NvdcpError" if isinstance(err, nvdcp.NvdcpError) else f"other error ({type(err).__name__})"
+        tally.outcomes[f".metadata: load {kind}"] += 1
+        if kind == "WRONG":
+            tally.failures.append(f".metadata@{pos}^{xor:#04x}: load returned wrong tensors")
+    finally:
+        f.write_bytes(original)
