@@ -266,14 +266,15 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             status, code, message = _FAULTS[fault]
             self._reply(status, [("Content-Type", "application/xml")], _ERROR_XML.format(code=code, message=message).encode())
             return
-        status, headers, data = self._forward(proxy, body)
+        status, headers, data, upstream_length = self._forward(proxy, body)
         if fault == "cut" and len(data) > 1:
             self._reply(status, headers, data[: len(data) // 2], length=len(data))
             self._reset()
             return
-        self._reply(status, headers, data)
+        # A HEAD answer has no body but states the object's size: pass that on unchanged.
+        self._reply(status, headers, data, length=upstream_length if self.command == "HEAD" else None)
 
-    def _forward(self, proxy: FaultProxy, body: bytes) -> tuple[int, list[tuple[str, str]], bytes]:
+    def _forward(self, proxy: FaultProxy, body: bytes) -> tuple[int, list[tuple[str, str]], bytes, int | None]:
         conn = getattr(self._local, "conn", None)
         if conn is None:
             host, port = proxy.upstream.rsplit(":", 1)
@@ -288,7 +289,9 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             conn.close()
             self._local.conn = None
             raise
-        return resp.status, [(k, v) for k, v in resp.getheaders() if k.lower() not in _HOP | {"content-length"}], data
+        length = resp.getheader("Content-Length")
+        headers_out = [(k, v) for k, v in resp.getheaders() if k.lower() not in _HOP | {"content-length"}]
+        return resp.status, headers_out, data, int(length) if length is not None else None
 
     def _reply(self, status: int, headers: list[tuple[str, str]], data: bytes, length: int | None = None) -> None:
         self._untrack()
