@@ -6,6 +6,12 @@ overwrites a file the previous ``.metadata`` points at), then ``.metadata`` writ
 coordinator atomically (temp file and rename on disk, one PUT on S3). Only after that commit are data files of
 earlier saves to the same location deleted: at every instant the location holds either the old
 complete checkpoint or the new one.
+
+Saves racing on one location: each save marks itself in progress with a small object
+``.metadata.pending<token>.tmp`` before any of its data files exists, and removes it after its
+commit. Cleanup after a commit never deletes the files of a save whose marker is live (see
+``_save_alive``), and ``finish`` checks that every data file the new ``.metadata`` references is
+there, whole, before committing it (docs/RELIABILITY.md).
 """
 
 from __future__ import annotations

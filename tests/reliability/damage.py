@@ -203,3 +203,29 @@ def check_metadata_flip(path: Path, pos: int, xor: int, want: dict[str, Any], ta
             tally.failures.append(f".metadata@{pos}^{xor:#04x}: load returned wrong tensors")
     finally:
         f.write_bytes(original)
+
+
+def run_cases(src: str, cases: list[tuple[str, Any, int, int]]) -> dict[str, Any]:
+    """Run damage cases against a private copy of checkpoint ``src`` (a worker of the sweep).
+
+    A case is ``("flip", region, pos, xor)``, ``("cut", file, length, 0)`` or ``("meta", None, pos, xor)``.
+    """
+    import shutil
+    import tempfile
+
+    work = Path(tempfile.mkdtemp(prefix="nvdcp-damage-")) / "ckpt"
+    shutil.copytree(src, work)
+    try:
+        want = sample_state()
+        all_regions = regions(work)
+        tally = Tally()
+        for kind, what, pos, xor in cases:
+            if kind == "flip":
+                check_flip(work, what, pos, xor, want, tally)
+            elif kind == "cut":
+                check_truncation(work, what, pos, want, tally, all_regions)
+            else:
+                check_metadata_flip(work, pos, xor, want, tally)
+        return tally.as_dict() | {"failures": tally.failures}
+    finally:
+        shutil.rmtree(work.parent, ignore_errors=True)

@@ -310,3 +310,50 @@ def test_forged_gdeflate_stream_is_an_error_not_an_abort(tmp_path: Path) -> None
     msg = result[1]
     assert msg.startswith("CorruptCheckpointError") and "gdeflate" in msg and "chunk 0" in msg, msg
     assert info.relative_path in msg and "'ids'" in msg
+
+
+# -- bytes items: DCP's planner unpickles them --------------------------------------------------
+
+class WeightsOnlyLoadPlanner(dcp.DefaultLoadPlanner):
+    """docs/SECURITY.md's planner: bytes items go through ``torch.load(weights_only=True)``."""
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        from torch.distributed.checkpoint._traverse import set_element
+
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def _load_with_default_planner(path: str) -> str:
+    dcp.load({"extra": None, "w": torch.zeros(3)}, storage_reader=nvdcp.NvcompReader(path))
+    return "loaded"
+
+
+def test_bytes_items_are_unpickled_by_dcp_planner(tmp_path: Path) -> None:
+    """A data file's non-tensor item is a torch.save pickle that DCP's DefaultLoadPlanner loads
+    with weights_only=False: it can run code, checksums or not. WeightsOnlyLoadPlanner refuses."""
+    marker = tmp_path / "ran"
+    path = tmp_path / "ckpt"
+    evil = _Reduce(os.system, (f"touch {marker}",))
+    dcp.save({"extra": evil, "w": torch.ones(3)}, storage_writer=nvdcp.NvcompWriter(path, sync_files=False))
+    assert not marker.exists()
+    sd: dict[str, Any] = {"extra": None, "w": torch.zeros(3)}
+    with pytest.raises((CheckpointException, nvdcp.NvdcpError)) as info:
+        dcp.load(sd, storage_reader=nvdcp.NvcompReader(path), planner=WeightsOnlyLoadPlanner())
+    assert "Weights only load failed" in str(failure_of(info.value))
+    assert not marker.exists()
+    # Stock DCP behaviour, pinned so docs/SECURITY.md is revisited if torch changes it.
+    assert F.call_in_process(_load_with_default_planner, str(path)) == ("ok", "loaded")
+    assert marker.exists(), "torch's DefaultLoadPlanner no longer runs pickled code: update docs/SECURITY.md"
+
+
+def test_weights_only_planner_loads_plain_bytes_items(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    extra = {"step": 7, "lr": 0.5, "name": "run", "ids": [1, 2], "pair": (1, "b")}
+    dcp.save({"extra": extra, "w": torch.ones(3)}, storage_writer=nvdcp.NvcompWriter(path, sync_files=False))
+    sd: dict[str, Any] = {"extra": {k: None for k in extra}, "w": torch.zeros(3)}
+    dcp.load(sd, storage_reader=nvdcp.NvcompReader(path), planner=WeightsOnlyLoadPlanner())
+    assert sd["extra"] == extra
