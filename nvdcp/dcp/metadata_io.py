@@ -3,19 +3,23 @@
 ``.metadata`` is a pickle, as in stock DCP. Loading a pickle runs code named in it, so nvdcp
 unpickles with a restricted ``Unpickler`` that resolves only what a DCP ``Metadata`` contains:
 the dataclasses and enums *defined in* ``torch.distributed.checkpoint.metadata`` and
-``.filesystem``, torch dtypes, layouts, memory formats and ``torch.Size``, ``OrderedDict``, sets.
+``.filesystem``, torch dtypes, layouts, memory formats and ``torch.Size``, ``OrderedDict``, sets
+(and ``copyreg._reconstructor`` on ``object``, which protocols 0 and 1 use to build them).
 Nothing callable beyond those constructors (no ``getattr``, no dotted names, no functions
-imported into those modules) is reachable. That narrows, but does not replace, the rule to load
-only checkpoints you trust (docs/SECURITY.md).
+imported into those modules) is reachable. Before unpickling, the opcodes are walked once so a
+damaged memo index cannot make the C unpickler allocate gigabytes. That narrows, but does not
+replace, the rule to load only checkpoints you trust (docs/SECURITY.md).
 """
 
 from __future__ import annotations
 
+import copyreg
 import dataclasses
 import enum
 import io
 import math
 import pickle
+import pickletools
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import (
@@ -37,9 +41,17 @@ MAX_RECORD_BYTES = 1 << 62
 #: Modules whose dataclasses and enums may be rebuilt (only classes defined in them, by plain name).
 _DCP_MODULES = frozenset({"torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem"})
 _ALLOWED = {
-    ("builtins", "set"), ("builtins", "frozenset"), ("collections", "OrderedDict"),
+    ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "object"), ("collections", "OrderedDict"),
     ("torch", "Size"), ("torch.serialization", "_get_layout"),
 }
+_PY2_NAMES = {"__builtin__": "builtins", "copy_reg": "copyreg"}  # protocols 0-2 spell them so
+
+
+def _reconstructor(cls: type, base: type, state: Any) -> Any:
+    """``copyreg._reconstructor`` (how protocols 0 and 1 build objects) for plain ``object`` bases."""
+    if base is not object:
+        raise pickle.UnpicklingError(f"refusing to rebuild {cls!r} on {base!r} from .metadata")
+    return copyreg._reconstructor(cls, base, state)  # type: ignore[attr-defined]
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -49,6 +61,9 @@ class _MetadataUnpickler(pickle.Unpickler):
         # A dotted name walks attributes (pickle protocol 4): ``<allowed module>.os.system``.
         if not name.isidentifier():
             raise pickle.UnpicklingError(f"refusing to load {module}.{name} from .metadata")
+        module = _PY2_NAMES.get(module, module)
+        if (module, name) == ("copyreg", "_reconstructor"):
+            return _reconstructor
         if (module, name) in _ALLOWED:
             return super().find_class(module, name)
         if module in _DCP_MODULES:
@@ -83,6 +98,7 @@ def load_metadata(storage: Storage) -> Metadata:
         ) from None
     if len(blob) > MAX_METADATA_BYTES:
         raise CorruptCheckpointError(f"{where}: {len(blob)} bytes is implausibly large")
+    check_memo_indices(blob, where)
     try:
         metadata = _MetadataUnpickler(io.BytesIO(blob)).load()
     except Exception as exc:  # a corrupt pickle can raise almost anything
@@ -91,6 +107,62 @@ def load_metadata(storage: Storage) -> Metadata:
         raise CorruptCheckpointError(f"{where}: holds {type(metadata).__name__}, not Metadata")
     check_records(metadata, where)
     return metadata
+
+
+def _opcode_table() -> dict[int, tuple[int, int]]:
+    """Per opcode byte: (0 no argument, 1 fixed bytes, 2 lines, 3 counted) and the size/count."""
+    table: dict[int, tuple[int, int]] = {}
+    for op in pickletools.opcodes:
+        code, n = ord(op.code), op.arg.n if op.arg is not None else 0
+        if op.arg is None:
+            table[code] = (0, 0)
+        elif n >= 0:
+            table[code] = (1, n)
+        elif n == pickletools.UP_TO_NEWLINE:
+            table[code] = (2, 2 if op.name in ("GLOBAL", "INST") else 1)  # module\nname\n
+        else:
+            table[code] = (3, {pickletools.TAKEN_FROM_ARGUMENT1: 1, pickletools.TAKEN_FROM_ARGUMENT4: 4,
+                               pickletools.TAKEN_FROM_ARGUMENT4U: 4, pickletools.TAKEN_FROM_ARGUMENT8U: 8}[n])
+    return table
+
+
+_OPCODES = _opcode_table()
+_PUT, _LONG_BINPUT, _STOP = ord(pickle.PUT), ord(pickle.LONG_BINPUT), ord(pickle.STOP)
+
+
+def check_memo_indices(blob: bytes, where: str) -> None:
+    """Refuse a pickle that stores to a memo slot no valid pickle of its size could use.
+
+    CPython's C unpickler grows its memo table to twice the index a ``PUT``/``LONG_BINPUT`` names
+    and zeroes it: one damaged byte (``MEMOIZE`` read as ``LONG_BINPUT``) made it allocate 9.5 GiB
+    and spend 22 s before failing (docs/RELIABILITY.md). This walks the opcodes without building
+    anything (about a quarter of the unpickling time) and checks every index against the size.
+    """
+    n, i, table, frombytes = len(blob), 0, _OPCODES, int.from_bytes
+    try:
+        while i < n:
+            code = blob[i]
+            i += 1
+            kind, k = table[code]
+            if kind == 1:
+                if code == _LONG_BINPUT and frombytes(blob[i : i + 4], "little") > n:
+                    raise CorruptCheckpointError(f"{where}: cannot unpickle: memo index beyond the data")
+                i += k
+            elif kind == 3:
+                i += k + frombytes(blob[i : i + k], "little")
+            elif kind == 2:
+                start = i
+                for _ in range(k):
+                    i = blob.index(b"\n", i) + 1
+                if code == _PUT and int(blob[start : i - 1]) > n:
+                    raise CorruptCheckpointError(f"{where}: cannot unpickle: memo index beyond the data")
+            elif code == _STOP:
+                return
+    except CorruptCheckpointError:
+        raise
+    except (KeyError, ValueError) as exc:
+        raise CorruptCheckpointError(f"{where}: cannot unpickle: malformed opcode at byte {i - 1}") from exc
+    raise CorruptCheckpointError(f"{where}: cannot unpickle: the pickle has no end (truncated)")
 
 
 def check_records(metadata: Metadata, where: str) -> None:

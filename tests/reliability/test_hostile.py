@@ -357,3 +357,38 @@ def test_weights_only_planner_loads_plain_bytes_items(tmp_path: Path) -> None:
     sd: dict[str, Any] = {"extra": {k: None for k in extra}, "w": torch.zeros(3)}
     dcp.load(sd, storage_reader=nvdcp.NvcompReader(path), planner=WeightsOnlyLoadPlanner())
     assert sd["extra"] == extra
+
+
+# -- pickle opcodes that make the C unpickler allocate --------------------------------------
+
+def _read_metadata_capped(path: str) -> tuple[str, str, int, float]:
+    with open("/proc/self/statm") as f:
+        vm = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), resource.RLIM_INFINITY))
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    try:
+        nvdcp.NvcompReader(path).read_metadata()
+        name, msg = "loaded", ""
+    except BaseException as exc:  # noqa: BLE001 - reported
+        name, msg = type(exc).__name__, str(exc)
+    return name, msg, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0, time.perf_counter() - t0
+
+
+@pytest.mark.parametrize("opcode", [pickle.LONG_BINPUT + struct.pack("<I", (1 << 31) + 5), pickle.PUT + b"4000000000\n"])
+def test_huge_memo_index_refused_before_unpickling(ckpt: Path, opcode: bytes) -> None:
+    """Without the pre-scan one such opcode made the C unpickler zero a multi-GiB memo table."""
+    blob = pickle.PROTO + b"\x02" + pickle.EMPTY_DICT + opcode + pickle.STOP
+    (ckpt / ".metadata").write_bytes(blob)
+    name, msg, rss_growth_kib, seconds = F.call_in_process(_read_metadata_capped, str(ckpt))[1]
+    assert name == "CorruptCheckpointError" and "memo index" in msg, (name, msg)
+    assert rss_growth_kib < 64 * 1024 and seconds < 5
+
+
+@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
+def test_every_pickle_protocol_still_loads(ckpt: Path, protocol: int) -> None:
+    md = pickle.loads((ckpt / ".metadata").read_bytes())
+    (ckpt / ".metadata").write_bytes(pickle.dumps(md, protocol=protocol))
+    sd = empty_like_sd(_state())
+    dcp.load(sd, storage_reader=nvdcp.NvcompReader(ckpt))
+    assert torch.equal(sd["w"], _state()["w"]) and sd["extra"] == {"k": "v"}
