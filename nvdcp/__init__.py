@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from nvdcp.dcp.planner import WeightsOnlyLoadPlanner
 from nvdcp.dcp.reader import NvcompReader
 from nvdcp.dcp.stager import NvcompStager
 from nvdcp.dcp.writer import NvcompWriter
@@ -31,6 +32,7 @@ __all__ = [
     "NvcompWriter",
     "NvcompReader",
     "NvcompStager",
+    "WeightsOnlyLoadPlanner",
     "NvdcpError",
     "CheckpointExistsError",
     "CodecUnavailableError",

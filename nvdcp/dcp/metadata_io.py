@@ -54,9 +54,18 @@ def _reconstructor(cls: type, base: type, state: Any) -> Any:
     return copyreg._reconstructor(cls, base, state)  # type: ignore[attr-defined]
 
 
+#: Stock FileSystemWriter pickles ``storage_meta.checkpoint_id`` as a path; paths are inert.
+_PATHS = frozenset(("pathlib", n) for n in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"))
+
+
 class _MetadataUnpickler(pickle.Unpickler):
+    allow_paths = False
+
     def find_class(self, module: str, name: str) -> Any:
         import torch
+
+        if self.allow_paths and (module, name) in _PATHS:
+            return super().find_class(module, name)
 
         # A dotted name walks attributes (pickle protocol 4): ``<allowed module>.os.system``.
         if not name.isidentifier():
@@ -81,12 +90,17 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refusing to load {module}.{name} from .metadata")
 
 
-def load_metadata(storage: Storage) -> Metadata:
+class _StockMetadataUnpickler(_MetadataUnpickler):
+    allow_paths = True
+
+
+def load_metadata(storage: Storage, *, allow_paths: bool = False) -> Metadata:
     """Read and validate ``.metadata`` from ``storage``.
 
     Beyond unpickling, every storage record must name a plain file inside the checkpoint (no
     ``/``, ``..`` or absolute path) and hold a non-negative integer offset and length, so a
-    hostile record fails here, before any data is fetched or allocated.
+    hostile record fails here, before any data is fetched or allocated. ``allow_paths`` also
+    admits ``pathlib`` paths, which stock DCP checkpoints hold (the CLI reads those too).
     """
     where = storage.describe(METADATA_NAME)
     try:
@@ -100,7 +114,8 @@ def load_metadata(storage: Storage) -> Metadata:
         raise CorruptCheckpointError(f"{where}: {len(blob)} bytes is implausibly large")
     check_memo_indices(blob, where)
     try:
-        metadata = _MetadataUnpickler(io.BytesIO(blob)).load()
+        unpickler = _StockMetadataUnpickler if allow_paths else _MetadataUnpickler
+        metadata = unpickler(io.BytesIO(blob)).load()
     except Exception as exc:  # a corrupt pickle can raise almost anything
         raise CorruptCheckpointError(f"{where}: cannot unpickle: {exc}") from exc
     if not isinstance(metadata, Metadata):

@@ -314,17 +314,7 @@ def test_forged_gdeflate_stream_is_an_error_not_an_abort(tmp_path: Path) -> None
 
 # -- bytes items: DCP's planner unpickles them --------------------------------------------------
 
-class WeightsOnlyLoadPlanner(dcp.DefaultLoadPlanner):
-    """docs/SECURITY.md's planner: bytes items go through ``torch.load(weights_only=True)``."""
-
-    def load_bytes(self, read_item: Any, value: Any) -> None:
-        from torch.distributed.checkpoint._traverse import set_element
-
-        obj = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
+WeightsOnlyLoadPlanner = nvdcp.WeightsOnlyLoadPlanner  # shipped in nvdcp/dcp/planner.py
 
 
 def _load_with_default_planner(path: str) -> str:
