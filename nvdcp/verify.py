@@ -12,6 +12,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from nvdcp.dcp.reader import NvcompReader, describe_index
 from nvdcp.errors import CodecUnavailableError, NvdcpError
+from nvdcp.format.header import FILE_FIXED_SIZE, file_header_size, parse_file_header
 from nvdcp.pipeline.cpu import verify_chunks
 from nvdcp.report import Report
 
@@ -97,5 +98,22 @@ def verify_checkpoint(
                 report.checksum_only.append(describe_index(index))
             if progress:
                 progress(done, len(indexes))
+    missing = {d.file for d in report.damaged if d.kind == "MissingDataFileError"}
+    for name in sorted({metadata.storage_data[ix].relative_path for ix in indexes} - missing):
+        damage = _check_file_header(reader, name)
+        if damage:
+            report.damaged.append(damage)
     report.raw_bytes = totals.raw_bytes
     return report
+
+
+def _check_file_header(reader: NvcompReader, name: str) -> Damage | None:
+    """A data file's own header (magic, version, writer info, CRC): loads never read it."""
+    where = reader.storage.describe(name)
+    try:
+        prefix = memoryview(reader.storage.read_range(name, 0, FILE_FIXED_SIZE))
+        size = file_header_size(prefix, where)
+        parse_file_header(memoryview(reader.storage.read_range(name, 0, size)), where)
+    except NvdcpError as exc:
+        return Damage("(data file header)", name, str(exc), type(exc).__name__)
+    return None
