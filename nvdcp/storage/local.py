@@ -27,6 +27,22 @@ def _storage_error(exc: OSError, what: str, path: str | None = None) -> StorageE
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)
 
 
+def _scatter_read(fd: int, path: str, offset: int, buffers: Sequence[memoryview]) -> None:
+    """Fill ``buffers`` in order from ``offset`` with as few ``preadv`` calls as IOV_MAX allows."""
+    pending = [b for b in buffers if len(b)]
+    pos, i = offset, 0
+    while i < len(pending):
+        n = os.preadv(fd, pending[i : i + _IOV_MAX], pos)
+        if n == 0:
+            raise TruncatedCheckpointError(f"{path}: file ends at offset {pos}, before the item does")
+        pos += n
+        while i < len(pending) and n >= len(pending[i]):
+            n -= len(pending[i])
+            i += 1
+        if n:
+            pending[i] = pending[i][n:]
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -61,25 +77,17 @@ class _LocalWriteStream(WriteStream):
     def writelines(self, parts: Iterable[Buffer]) -> None:
         # One writev per IOV_MAX buffers instead of a write per chunk: a checkpoint has
         # ~16k chunks per GB, and per-chunk syscalls cost more than the copies.
-        batch: list[memoryview] = []
-        for part in parts:
-            batch.append(memoryview(part).cast("B"))
-            if len(batch) == _IOV_MAX:
-                self._writev(batch)
-                batch = []
-        if batch:
-            self._writev(batch)
-
-    def _writev(self, views: list[memoryview]) -> None:
+        views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]
+        i = 0
         try:
-            while views:
-                n = os.writev(self._file.fileno(), views)
+            while i < len(views):
+                n = os.writev(self._file.fileno(), views[i : i + _IOV_MAX])
                 self._pos += n
-                while views and n >= len(views[0]):
-                    n -= len(views[0])
-                    views = views[1:]
-                if views and n:
-                    views[0] = views[0][n:]
+                while i < len(views) and n >= len(views[i]):
+                    n -= len(views[i])
+                    i += 1
+                if n:
+                    views[i] = views[i][n:]
         except OSError as exc:
             raise _storage_error(exc, f"writing {self.path}", self.path) from exc
 
@@ -157,14 +165,17 @@ class LocalStorage(Storage):
             stream.abort()
             raise
 
-    def read_range(self, name: str, offset: int, length: int) -> Buffer:
+    def _open_for_read(self, name: str) -> tuple[str, int]:
         path = self._path(name)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            return path, os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             raise MissingDataFileError(errno.ENOENT, f"{path}: data file is missing") from None
         except OSError as exc:
             raise _storage_error(exc, f"cannot open {path}", path) from exc
+
+    def read_range(self, name: str, offset: int, length: int) -> Buffer:
+        path, fd = self._open_for_read(name)
         try:
             # .metadata may be hostile: check the range against the file before allocating it.
             size = os.fstat(fd).st_size
@@ -173,15 +184,7 @@ class LocalStorage(Storage):
                     f"{path}: wanted {length} bytes at offset {offset}, file ends after {max(0, size - offset)}"
                 )
             buf = bytearray(length)
-            view = memoryview(buf)
-            got = 0
-            while got < length:
-                n = os.preadv(fd, [view[got:]], offset + got)
-                if n == 0:
-                    raise TruncatedCheckpointError(
-                        f"{path}: wanted {length} bytes at offset {offset}, file ends after {got}"
-                    )
-                got += n
+            _scatter_read(fd, path, offset, [memoryview(buf)])
             return buf
         except OSError as exc:
             raise _storage_error(exc, f"reading {path}", path) from exc
@@ -189,27 +192,9 @@ class LocalStorage(Storage):
             os.close(fd)
 
     def read_into(self, name: str, offset: int, buffers: Sequence[memoryview]) -> None:
-        path = self._path(name)
+        path, fd = self._open_for_read(name)
         try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise MissingDataFileError(errno.ENOENT, f"{path}: data file is missing") from None
-        except OSError as exc:
-            raise _storage_error(exc, f"cannot open {path}", path) from exc
-        try:
-            pending = [b for b in buffers if len(b)]
-            pos = offset
-            while pending:
-                batch = pending[:_IOV_MAX]
-                n = os.preadv(fd, batch, pos)
-                if n == 0:
-                    raise TruncatedCheckpointError(f"{path}: file ends at offset {pos}, before the item does")
-                pos += n
-                while pending and n >= len(pending[0]):
-                    n -= len(pending[0])
-                    pending = pending[1:]
-                if pending and n:
-                    pending[0] = pending[0][n:]
+            _scatter_read(fd, path, offset, buffers)
         except OSError as exc:
             raise _storage_error(exc, f"reading {path}", path) from exc
         finally:
