@@ -26,6 +26,9 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
     )
     try:
         fn(rank, world, *args)
+        # No rank tears its groups down while a peer still talks on one (gloo aborts the
+        # process when a connection closes under a pending operation).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
