@@ -8,6 +8,7 @@ pool with a bounded window, so memory stays near ``window x largest item``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import logging
@@ -35,7 +36,7 @@ from torch.futures import Future
 from nvdcp.dcp import descriptor
 from nvdcp.dcp.metadata_io import load_metadata
 from nvdcp.dcp.writer import METADATA_NAME
-from nvdcp.errors import CorruptCheckpointError
+from nvdcp.errors import CorruptCheckpointError, TruncatedCheckpointError
 from nvdcp.format.dtypes import code_dtype
 from nvdcp.format.header import (
     KIND_BYTES,
@@ -232,7 +233,8 @@ class NvcompReader(StorageReader):
         name, offset, length = self.record_of(index)
         where = self.where(index)
         t0 = time.perf_counter()
-        record = self.storage.read_range(name, offset, length)
+        with _naming_item(where):
+            record = self.storage.read_range(name, offset, length)
         t1 = time.perf_counter()
         dtype, shape = self._expected(index)
         element_size = _element_size(dtype)
@@ -269,12 +271,14 @@ class NvcompReader(StorageReader):
 
     def _read_header(self, name: str, offset: int, length: int, where: str) -> ItemHeader:
         """Fetch and validate just an item's header (the GPU path reads chunks straight into staging)."""
-        prefix = memoryview(self.storage.read_range(name, offset, min(length, 1 << 16)))
+        with _naming_item(where):
+            prefix = memoryview(self.storage.read_range(name, offset, min(length, 1 << 16)))
         size = item_header_size(prefix, where)
         if size > length:
             raise CorruptCheckpointError(f"{where}: header of {size} bytes in a record of {length}")
         if size > len(prefix):
-            prefix = memoryview(self.storage.read_range(name, offset, size))
+            with _naming_item(where):
+                prefix = memoryview(self.storage.read_range(name, offset, size))
         header = parse_item_header_only(prefix, where)
         if header.header_bytes + header.stored_nbytes != length:
             raise CorruptCheckpointError(
@@ -379,6 +383,15 @@ class NvcompReader(StorageReader):
             )
         target.copy_(src)
         planner.commit_tensor(req, target)
+
+
+@contextlib.contextmanager
+def _naming_item(where: str) -> Iterator[None]:
+    """Storage knows the file, not the item: add the item to a truncation error."""
+    try:
+        yield
+    except TruncatedCheckpointError as exc:
+        raise TruncatedCheckpointError(f"{where}: {exc}") from exc
 
 
 def _element_size(dtype: torch.dtype | None) -> int:
