@@ -291,6 +291,13 @@ class FsspecStorage(Storage):
             raise translate_fsspec_error(exc, self.describe(name), "exists") from exc
 
     def list(self) -> list[str]:
+        return self._entries("file")
+
+    def list_children(self) -> list[str]:
+        """Sub-directories (prefixes) directly under the root, one checkpoint each."""
+        return self._entries("directory")
+
+    def _entries(self, kind: str) -> list[str]:
         try:
             # Another process may have written since this fs cached the listing.
             self.fs.invalidate_cache(self.root)
@@ -299,18 +306,7 @@ class FsspecStorage(Storage):
             return []
         except Exception as exc:
             raise translate_fsspec_error(exc, self.url, "list") from exc
-        return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "file")
-
-    def list_children(self) -> list[str]:
-        """Sub-directories (prefixes) directly under the root, one checkpoint each."""
-        try:
-            self.fs.invalidate_cache(self.root)
-            entries = self.fs.ls(self.root, detail=True)
-        except FileNotFoundError:
-            return []
-        except Exception as exc:
-            raise translate_fsspec_error(exc, self.url, "list") from exc
-        return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory")
+        return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == kind)
 
     def delete(self, names: Iterable[str]) -> None:
         names = list(names)
