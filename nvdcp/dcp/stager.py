@@ -551,18 +551,13 @@ class NvcompStager:
         return self._encoders[device]
 
     def _encode_on_gpu(self, jobs: list[Any], stats: StageStats) -> None:
-        by_device: dict[torch.device, list[Any]] = {}
-        for job in jobs:
-            by_device.setdefault(job.data.device, []).append(job)
-        for device, device_jobs in by_device.items():
-            # The encoder's streams wait for everything queued so far on the caller's stream
-            # (the optimizer step that produced the tensors); draining encode() means every
-            # read of the tensors has finished before stage() returns and training goes on.
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(device))
-            for job, encoded in self._encoder(device).encode(device_jobs, ready):
-                job.key.encoded = self._keep(encoded)
-                stats.staged_bytes += job.key.encoded.nbytes
+        from nvdcp.gpu.encoder import encode_on_devices
+
+        # Draining encode_on_devices() means every read of the tensors has finished before
+        # stage() returns and training goes on.
+        for job, encoded in encode_on_devices(jobs, self._encoder):
+            job.key.encoded = self._keep(encoded)
+            stats.staged_bytes += job.key.encoded.nbytes
         jobs.clear()
 
 

@@ -38,18 +38,17 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from nvdcp.codecs import codec_name
+from nvdcp.codecs import GPU_ONLY, codec_name
 from nvdcp.dcp import descriptor
 from nvdcp.dcp.stager import StagedShard, WriterStagingMixin, release_staged
 from nvdcp.errors import (
     CheckpointExistsError,
+    CodecUnavailableError,
     CorruptCheckpointError,
     MissingDataFileError,
     TruncatedCheckpointError,
 )
 from nvdcp.format.dtypes import dtype_code
-from nvdcp.codecs import GPU_ONLY
-from nvdcp.errors import CodecUnavailableError
 from nvdcp.format.header import DEFAULT_CHUNK_BYTES, KIND_BYTES, KIND_TENSOR, pack_file_header
 from nvdcp.gpu import gpu_available
 from nvdcp.gpu.config import GpuConfig
@@ -61,6 +60,7 @@ from nvdcp.storage import Storage, open_storage
 logger = logging.getLogger(__name__)
 
 from nvdcp.dcp.metadata_io import METADATA_NAME
+
 DATA_SUFFIX = ".nvdcp"
 _DATA_FILE = re.compile(r"^__\d+_([0-9a-f]+)_\d+\.nvdcp$")
 #: Marker of a save in progress (its token); matches ``.metadata.*.tmp`` on purpose, so tools
@@ -437,23 +437,22 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
         layout = choose_layout(t.dtype, self.codec, auto_codec=GPU_AUTO_CODEC)
         return GpuJob(item, flat, layout, t.dtype, dtype_code(t.dtype), tuple(t.shape))
 
-    def _write_gpu_items(self, stream: Any, name: str, jobs: list[Any], write: Any) -> None:
-        from nvdcp.gpu.encoder import GpuEncoder
+    def _write_gpu_items(self, jobs: list[Any], write: Any) -> None:
+        from nvdcp.gpu.encoder import GpuEncoder, encode_on_devices
+        from nvdcp.gpu.pinned import POOL
 
-        by_device: dict[torch.device, list[Any]] = {}
-        for job in jobs:
-            by_device.setdefault(job.data.device, []).append(job)
-        for device, device_jobs in by_device.items():
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(device))
-            encoder = GpuEncoder(
+        POOL.limit = self.gpu.pinned_memory_bytes
+
+        def encoder_for(device: torch.device) -> GpuEncoder:
+            return GpuEncoder(
                 device, chunk_bytes=self.chunk_bytes,
                 budget_bytes=self.gpu.gpu_budget(device) // self.thread_count,
                 gdeflate_type=self.gpu.gdeflate_algorithm_type, pool=self._codec_pool(),
                 pinned_bytes=self.gpu.pinned_memory_bytes // self.thread_count,
             )
-            for job, encoded in encoder.encode(device_jobs, ready):
-                write(job.key, encoded)
+
+        for job, encoded in encode_on_devices(jobs, encoder_for):
+            write(job.key, encoded)
 
     def _write_file(
         self, name: str, items: list[WriteItem], planner: SavePlanner, report: Report
@@ -499,7 +498,7 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
                 write(item, self._encode(item, data))
             if gpu_jobs:
                 clock[0] = time.perf_counter()
-                self._write_gpu_items(stream, name, gpu_jobs, write)
+                self._write_gpu_items(gpu_jobs, write)
             t0 = time.perf_counter()
             stream.commit()
             report.add(0, 0, io_s=time.perf_counter() - t0)

@@ -10,13 +10,13 @@ while bucket k is compacted, copied and written.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
-import nvidia.nvcomp as nv
 import numpy as np
+import nvidia.nvcomp as nv
 import torch
 
 from nvdcp.codecs import codec_id
@@ -242,3 +242,20 @@ class GpuEncoder:
             prev = cur
         if prev is not None:
             yield from self._finish(jobs, prev, partial)
+
+
+def encode_on_devices(
+    jobs: list[GpuJob], encoder_for: Callable[[torch.device], GpuEncoder]
+) -> Iterator[tuple[GpuJob, EncodedItem]]:
+    """Encode ``jobs`` with one encoder per device, in device order.
+
+    Each device's encoder waits on an event recorded on the caller's current stream there, so
+    compression reads tensors only after the work that produced them (e.g. the optimizer step).
+    """
+    by_device: dict[torch.device, list[GpuJob]] = {}
+    for job in jobs:
+        by_device.setdefault(job.data.device, []).append(job)
+    for device, device_jobs in by_device.items():
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(device))
+        yield from encoder_for(device).encode(device_jobs, ready)
