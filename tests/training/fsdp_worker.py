@@ -136,6 +136,22 @@ def async_save(sd: dict[str, Any], path: str, group: Any, mode: AsyncCheckpointe
                           async_checkpointer_type=mode, async_stager=stager)
 
 
+def stop_checkpoint_process(group: Any) -> None:
+    """End torch's PROCESS-mode checkpoint process on every rank together, before the ranks exit.
+
+    Left to interpreter shutdown, the background processes (which share a gloo group) can be
+    killed one at a time, and gloo aborts the survivor mid-connection.
+    """
+    from torch.distributed.checkpoint import _async_process_executor as executor
+
+    dist.barrier(group=group)
+    proc = executor._CHECKPOINT_PROCESS
+    if proc is not None:
+        proc.__del__()  # sends TERMINATE and joins
+        executor._CHECKPOINT_PROCESS = None
+    dist.barrier(group=group)
+
+
 # -- the runs ------------------------------------------------------------------------------
 def run_a(rank: int, world: int, d: str) -> None:
     """4 ranks: 3 steps, async save ``a3`` (THREAD, the writer as stager), 3 more steps at once."""
@@ -176,6 +192,7 @@ def run_b(rank: int, world: int, d: str) -> None:
     train(model, optim, 10, 10, rank, world)
     fut.result()
     stager.close()
+    stop_checkpoint_process(group)
     dump(root, "b", rank, checks=checks, losses_4_6=losses_4_6, losses_7_9=losses_7_9,
          stats={"shards": stats.shards, "compressed": stats.compressed_shards, "ratio": stats.ratio})
 

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from typing import Any
 
 import pytest
+from torch.multiprocessing.spawn import ProcessExitedException
 
 from tests._dist import run_ranks
 from tests.training import fsdp_worker
@@ -34,7 +36,16 @@ CROSS_WORLD_RTOL = 1e-5
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("fsdp")
     for name, world in (("a", 4), ("b", 2), ("c", 2), ("d", 3), ("e", 1)):
-        run_ranks(world, getattr(fsdp_worker, f"run_{name}"), str(root))
+        try:
+            run_ranks(world, getattr(fsdp_worker, f"run_{name}"), str(root))
+        except ProcessExitedException as exc:
+            # A rank killed by a signal (seen: gloo's SIGABRT at process teardown on a loaded
+            # 2-core machine, about one CI run in three) reruns its phase once; each phase is
+            # idempotent and every assertion below still runs on the rerun's results.
+            if exc.signal_name is None:
+                raise
+            warnings.warn(f"phase {name}: {exc}; running it again", stacklevel=1)
+            run_ranks(world, getattr(fsdp_worker, f"run_{name}"), str(root))
     return {name: json.loads((root / f"{name}.json").read_text()) for name in "abcde"}
 
 
