@@ -9,9 +9,14 @@ export PYTHONPATH=/tmp/site:$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export NVDCP_GPU_GOLDEN_OUT=$OUT
 python3 -m pytest -q -p no:cacheprovider -p no:logging --tb=short tests/gpu ${TESTS_EXTRA:-} 2>&1 | grep -vE "^(DEBUG|INFO) " | tail -60 | tee "$OUT/gpu_tests.log"
-if [ "${SKIP_BENCH:-0}" != 1 ]; then
-  python3 benchmarks/gpu_bench.py --out "$OUT" "$@" 2>&1 | tail -60
+tests_rc=${PIPESTATUS[0]}
+if [ "$tests_rc" != 0 ] && [ "${BENCH_IF_TESTS_FAIL:-0}" != 1 ]; then
+  echo "GPU tests failed (rc $tests_rc): benchmarks skipped (BENCH_IF_TESTS_FAIL=1 runs them anyway)"
+  exit "$tests_rc"
 fi
 if [ "${RUN_ASYNC:-0}" = 1 ]; then
   python3 benchmarks/async_bench.py --out "$OUT" 2>&1 | grep -v "UserWarning\|return func" | tail -30
+fi
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  python3 benchmarks/gpu_bench.py --out "$OUT" "$@" 2>&1 | tail -60
 fi

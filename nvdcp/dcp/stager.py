@@ -33,7 +33,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
-import inspect
 import logging
 import os
 import threading
@@ -43,6 +42,7 @@ from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem
@@ -67,11 +67,13 @@ CPU_MODES = ("copy", "compress")
 class HostBuffers:
     """Byte buffers kept across saves: segments carved front to back, reset before each save.
 
-    Segments are pinned when ``pin`` is true (needs CUDA). At most ``keep_bytes`` of segments are
-    kept; allocations beyond that come from temporary pageable segments dropped at :meth:`reset`.
+    Segments are pinned when ``pin`` is true (needs CUDA). They grow in powers of two from 1 MiB
+    up to ``segment_bytes`` (pinned allocations are rounded up to a power of two: other sizes
+    would pin more than they hold). At most ``keep_bytes`` of segments are kept; allocations
+    beyond that come from temporary pageable segments dropped at :meth:`reset`.
     """
 
-    def __init__(self, keep_bytes: int, segment_bytes: int = 64 * MiB, pin: bool = False) -> None:
+    def __init__(self, keep_bytes: int, segment_bytes: int = 8 * MiB, pin: bool = False) -> None:
         self.keep_bytes = keep_bytes
         self.segment_bytes = segment_bytes
         self.pin = pin
@@ -101,24 +103,50 @@ class HostBuffers:
         """``nbytes`` bytes as a uint8 tensor, starting at a 64-byte aligned address."""
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
-        segments = self._kept + self._temp
-        seg, pos = self._cursor
-        while seg < len(segments):
-            if pos + nbytes <= segments[seg].numel():
-                return self._take(segments, seg, pos, nbytes)
-            seg, pos = seg + 1, 0
-        room = self.keep_bytes - self.kept_bytes
-        if seg == len(self._kept) and nbytes <= room:
-            # Still inside the kept run: grow it (kept segments always precede temporary ones),
-            # doubling from 1 MiB so small states do not pin a whole segment.
-            size = min(room, max(nbytes, min(self.segment_bytes, max(MiB, self.kept_bytes))))
+        while True:
+            segments = self._kept + self._temp
+            seg, pos = self._cursor
+            if seg < len(segments):
+                if pos + nbytes <= segments[seg].numel():
+                    return self._take(segments, seg, pos, nbytes)
+                self._cursor = [seg + 1, 0]
+                continue
+            self._grow(nbytes)
+
+    def place(self, sizes: np.ndarray) -> list[tuple[torch.Tensor, int, int]]:
+        """Memory for consecutive pieces (e.g. a GPU bucket's packed chunks), split across
+        segments only between pieces: runs ``(buffer, lo, hi)`` hold pieces ``lo..hi-1`` back to
+        back in ``buffer`` (exactly their total size), covering every piece in order."""
+        ends = np.cumsum(sizes, dtype=np.int64)
+        runs: list[tuple[torch.Tensor, int, int]] = []
+        lo, base = 0, 0
+        while lo < len(sizes):
+            segments = self._kept + self._temp
+            seg, pos = self._cursor
+            if seg == len(segments):
+                self._grow(int(sizes[lo]))
+                continue
+            room = segments[seg].numel() - pos
+            hi = int(np.searchsorted(ends, base + room, side="right"))
+            if hi == lo:
+                self._cursor = [seg + 1, 0]
+                continue
+            runs.append((self._take(segments, seg, pos, int(ends[hi - 1]) - base), lo, hi))
+            lo, base = hi, int(ends[hi - 1])
+        return runs
+
+    def _grow(self, at_least: int) -> None:
+        """Add a segment of at least ``at_least`` bytes after the last one."""
+        size = max(at_least, min(self.segment_bytes, max(MiB, self.kept_bytes)))
+        footprint = _pinned_footprint(size) if self.pin else size
+        if not self._temp and self.kept_bytes + footprint <= self.keep_bytes:
+            # Still inside the kept run (kept segments always precede temporary ones).
             self._kept.append(torch.empty(size, dtype=torch.uint8, pin_memory=self.pin))
-            self.kept_bytes += size
+            self.kept_bytes += footprint
         else:
-            size = max(nbytes, min(self.segment_bytes, max(MiB, self.temp_bytes)))
-            self._temp.append(torch.empty(size, dtype=torch.uint8))
-            self.temp_bytes += size
-        return self._take(self._kept + self._temp, len(self._kept) + len(self._temp) - 1, 0, nbytes)
+            self._temp.append(torch.empty(max(at_least, min(self.segment_bytes, max(MiB, self.temp_bytes))),
+                                          dtype=torch.uint8))
+            self.temp_bytes += self._temp[-1].numel()
 
     def _take(self, segments: list[torch.Tensor], seg: int, pos: int, nbytes: int) -> torch.Tensor:
         self._cursor = [seg, pos + -(-nbytes // _ALIGN) * _ALIGN]
@@ -126,17 +154,38 @@ class HostBuffers:
         return segments[seg][pos : pos + nbytes]
 
 
+def _pinned_footprint(nbytes: int) -> int:
+    """Bytes torch's pinned host allocator reserves for ``nbytes`` (the next power of two)."""
+    return 1 << max(0, nbytes - 1).bit_length()
+
+
 # -- what the staged state dict holds ----------------------------------------------------------
 class StagedShard:
-    """One write item's staged data: a pre-encoded record, or a host copy to compress later."""
+    """One write item's staged data: a pre-encoded record, or a host copy to compress later.
 
-    __slots__ = ("__weakref__", "encoded", "lease", "tensor")
+    A GPU-staged shard's record is finished in the background (checksums and header over bytes
+    already in host memory); :attr:`encoded` waits for it.
+    """
+
+    __slots__ = ("__weakref__", "_encoded", "lease", "pending", "tensor")
 
     def __init__(self, encoded: EncodedItem | None = None, tensor: torch.Tensor | None = None,
                  lease: _Lease | None = None) -> None:
-        self.encoded = encoded
+        self._encoded = encoded
         self.tensor = tensor
         self.lease = lease
+        self.pending: Future[None] | None = None
+
+    @property
+    def encoded(self) -> EncodedItem | None:
+        """The pre-encoded record (None for a host copy); raises what finishing it raised."""
+        if self.pending is not None:
+            self.pending.result()
+        return self._encoded
+
+    @encoded.setter
+    def encoded(self, value: EncodedItem | None) -> None:
+        self._encoded = value
 
     @property
     def host_tensor(self) -> torch.Tensor:
@@ -164,7 +213,7 @@ class StagedShard:
         return (_rebuild_tensor, (raw, t.dtype, tuple(t.shape)))
 
     def __repr__(self) -> str:
-        what = "encoded" if self.encoded is not None else "host copy"
+        what = "host copy" if self.tensor is not None else "encoded"
         return f"StagedShard({what}, {self.nbytes} bytes)"
 
 
@@ -320,6 +369,8 @@ class NvcompStager:
         self._generation = 0
         self._buffers: HostBuffers | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self._finish_pool: ThreadPoolExecutor | None = None
+        self._finishing: Future[None] | None = None
         self._encoders: dict[torch.device, Any] = {}
 
     def __getstate__(self) -> dict[str, Any]:
@@ -347,16 +398,17 @@ class NvcompStager:
                 self._buffers.close()
             self._buffers = None
             self._encoders.clear()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        for pool in (self._finish_pool, self._pool):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._finish_pool = self._pool = None
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Return a staged copy of ``state_dict`` that later training steps cannot change.
 
         Blocks for: waiting until the previous save released the buffers, GPU compression and the
         copy of the compressed bytes to host memory (or, without a GPU, the host copy / CPU
-        compression).
+        compression). Checksums and headers of GPU-staged records follow in the background.
         """
         started = time.perf_counter()
         lease = self._acquire()
@@ -412,6 +464,10 @@ class NvcompStager:
             with self._lock:
                 self._buffers = None  # the old ones go away with the save that holds them
                 self._generation += 1
+        if self._finishing is not None:
+            # A save that failed early may not have waited for its records: they read the buffers.
+            self._finishing.exception()  # waits; its error, if any, went to that save
+            self._finishing = None
         with self._lock:
             if self._buffers is None:
                 self._buffers = HostBuffers(self.buffer_bytes, pin=torch.cuda.is_available())
@@ -541,24 +597,38 @@ class NvcompStager:
         from nvdcp.gpu.encoder import GpuEncoder
 
         if device not in self._encoders:
-            extra: dict[str, Any] = {}
-            if "pinned_bytes" in inspect.signature(GpuEncoder).parameters:  # newer encoders bound it
-                extra["pinned_bytes"] = self.gpu.pinned_memory_bytes
             self._encoders[device] = GpuEncoder(
                 device, chunk_bytes=self.chunk_bytes, budget_bytes=self.gpu.gpu_budget(device),
-                gdeflate_type=self.gpu.gdeflate_algorithm_type, pool=self._codec_pool(), **extra,
+                gdeflate_type=self.gpu.gdeflate_algorithm_type, pool=self._codec_pool(),
+                pinned_bytes=self.gpu.pinned_memory_bytes,
             )
         return self._encoders[device]
 
     def _encode_on_gpu(self, jobs: list[Any], stats: StageStats) -> None:
-        from nvdcp.gpu.encoder import encode_on_devices
+        from nvdcp.gpu.encoder import stage_on_devices
 
-        # Draining encode_on_devices() means every read of the tensors has finished before
-        # stage() returns and training goes on.
-        for job, encoded in encode_on_devices(jobs, self._encoder):
-            job.key.encoded = self._keep(encoded)
-            stats.staged_bytes += job.key.encoded.nbytes
+        assert self._buffers is not None
+        # When stage_on_devices() returns, every read of the tensors is over (training may go on)
+        # and the stored chunks are in our host buffers; checksums and headers are host work on
+        # bytes that no longer change, so they run in the background, before the writer needs them.
+        before = self._buffers.used_bytes
+        items = stage_on_devices(jobs, self._encoder, self._buffers)
+        stats.staged_bytes += self._buffers.used_bytes - before  # stored chunks, granule-padded
+
+        def finish() -> None:
+            for job, encoded in items():
+                job.key.encoded = encoded
+
+        pending = self._finisher().submit(finish)
+        self._finishing = pending
+        for job in jobs:
+            job.key.pending = pending
         jobs.clear()
+
+    def _finisher(self) -> ThreadPoolExecutor:
+        if self._finish_pool is None:
+            self._finish_pool = ThreadPoolExecutor(1, thread_name_prefix="nvdcp-stage-finish")
+        return self._finish_pool
 
 
 def _host_deepcopy(obj: Any) -> Any:

@@ -1,11 +1,17 @@
 """GPU item encoder: byte planes with torch, chunks compressed by nvCOMP in batched calls.
 
 Items are cut into block ranges and packed into *buckets* whose GPU footprint stays under the
-configured budget. A bucket's chunks sit in fixed 64 KiB slots of one device buffer; every codec
-gets one batched nvCOMP call per bucket, however many tensors it holds. Compressed chunks are
-moved back into their slots on the device and the slot array crosses to the host in one copy
-into a pinned buffer, where each chunk's CRC32C is computed and its stored bytes are written. Two CUDA streams alternate between buckets, so bucket k+1 compresses
-while bucket k is compacted, copied and written.
+configured budget. A bucket's chunks sit in fixed slots of one device *arena*; every codec gets
+one batched nvCOMP call per bucket, however many tensors it holds, writing into its own region
+of the arena. The stored chunks (compressed where that paid, raw otherwise) are then *compacted*
+on the device by one row gather (:func:`compaction_plan`), so only stored bytes cross to the
+host, in one copy per host buffer run. Two CUDA streams alternate between buckets, so bucket
+k+1 compresses while bucket k is compacted and copied.
+
+Two ways out: :meth:`GpuEncoder.encode` (the writer) moves each bucket into a pooled pinned
+buffer, checksums it and yields its items; :meth:`GpuEncoder.stage` (the async stager) copies
+every bucket into host memory the caller provides and returns as soon as the copies are done,
+leaving checksums and headers to :meth:`GpuEncoder.items`, which the caller runs in the background.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import nvidia.nvcomp as nv
@@ -25,6 +31,80 @@ from nvdcp.gpu.nvcomp_codecs import CodecCache, typed_data_type
 from nvdcp.gpu.pinned import POOL
 from nvdcp.pipeline.cpu import EncodedItem
 from nvdcp.pipeline.policy import Layout
+
+#: Stored chunks start at multiples of this many bytes after compaction (device and host). The
+#: gather index costs 8 bytes per granule; the padding averages half a granule per compressed chunk.
+MAX_GRANULE = 256
+
+
+def granule_for(chunk_bytes: int) -> int:
+    """The compaction granule for a chunk size: the largest power of two <= 256 dividing it."""
+    return min(MAX_GRANULE, chunk_bytes & -chunk_bytes)
+
+
+def compaction_plan(src_offsets: np.ndarray, stored: np.ndarray, granule: int) -> tuple[np.ndarray, np.ndarray]:
+    """Row gather that packs chunks into one buffer, each starting at a granule boundary.
+
+    ``src_offsets[i]`` (a multiple of ``granule``) is where chunk ``i``'s ``stored[i]`` bytes
+    start in the source viewed as rows of ``granule`` bytes. Returns ``(rows, offsets)``:
+    gathering source rows ``rows`` in order gives the packed buffer, in which chunk ``i``
+    starts at byte ``offsets[i]`` (one more entry: the packed size).
+    """
+    counts = -(-stored.astype(np.int64) // granule)
+    starts = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=starts[1:])
+    rows = np.repeat(src_offsets.astype(np.int64) // granule - starts[:-1], counts)
+    rows += np.arange(int(starts[-1]), dtype=np.int64)
+    return rows, starts * granule
+
+
+def pack_chunks(arena: torch.Tensor, src_offsets: np.ndarray, stored: np.ndarray,
+                granule: int) -> tuple[torch.Tensor, np.ndarray]:
+    """Gather chunks of ``arena`` (flat uint8, any device) into one buffer on the same device.
+
+    Chunk ``i`` is ``stored[i]`` bytes at ``src_offsets[i]``; see :func:`compaction_plan` for
+    the layout of the result. One ``index_select`` over rows of 8-byte words (when the granule
+    allows) does the whole bucket, whatever the number of chunks.
+    """
+    rows, offsets = compaction_plan(src_offsets, stored, granule)
+    word = torch.int64 if granule % 8 == 0 and arena.numel() % 8 == 0 else torch.uint8
+    width = granule // word.itemsize
+    packed = torch.empty(max(int(offsets[-1]), granule), dtype=torch.uint8, device=arena.device)
+    if len(rows):
+        index = torch.from_numpy(rows).to(arena.device)
+        torch.index_select(arena.view(word).view(-1, width), 0, index,
+                           out=packed.view(word).view(-1, width)[: len(rows)])
+    return packed, offsets
+
+
+class HostSink(Protocol):
+    """Host memory for a bucket's packed chunks."""
+
+    def place(self, sizes: np.ndarray) -> list[tuple[torch.Tensor, int, int]]:
+        """Runs ``(buffer, lo, hi)``: pieces ``lo..hi-1`` of ``sizes`` back to back in ``buffer``
+        (a uint8 tensor of exactly their total size); the runs cover every piece in order."""
+        ...
+
+
+@dataclass
+class HostBucket:
+    """A bucket's stored chunks in host memory, complete once ``done`` has happened."""
+
+    bucket: _Bucket
+    stored: np.ndarray  # stored bytes of each slot
+    offsets: np.ndarray  # where each slot's chunk starts in the packed bucket
+    runs: list[tuple[torch.Tensor, int, int]]  # host buffers holding slots lo..hi-1
+    done: torch.cuda.Event
+
+    def views(self) -> list[memoryview]:
+        """Each slot's stored bytes (host work: kept off the path that blocks training)."""
+        views: list[memoryview] = []
+        offsets, stored = self.offsets.tolist(), self.stored.tolist()
+        for host, lo, hi in self.runs:
+            mv = memoryview(host.numpy()) if host.numel() else memoryview(b"")
+            a = offsets[lo]
+            views.extend(mv[offsets[i] - a : offsets[i] - a + stored[i]] for i in range(lo, hi))
+        return views
 
 
 @dataclass
@@ -65,12 +145,39 @@ class _Bucket:
 
 
 @dataclass
+class _Group:
+    """One codec's share of a bucket: its slots and its output region of the arena."""
+
+    ids: np.ndarray  # slot ids
+    base: int  # byte offset of its output slots in the arena
+    cap: int  # output slot stride: nvCOMP's bound for one chunk, rounded up to the granule
+    result: Any = None  # nvCOMP's encode result (compressed sizes)
+
+
+@dataclass
 class _Launched:
     bucket: _Bucket
     stream: torch.cuda.Stream
-    slots: torch.Tensor
+    arena: torch.Tensor  # the bucket's slots, then each group's output slots
     raw_sizes: np.ndarray  # uncompressed bytes per slot
-    groups: list[tuple[np.ndarray, torch.Tensor, int, Any]]  # slot ids, comp buffer, cap, nvcomp result
+    groups: list[_Group]
+
+
+class _PooledSink:
+    """One pinned buffer from the process pool per bucket (the writer's path)."""
+
+    def __init__(self) -> None:
+        self.held: list[torch.Tensor] = []
+
+    def place(self, sizes: np.ndarray) -> list[tuple[torch.Tensor, int, int]]:
+        total = int(sizes.sum())
+        self.held.append(POOL.acquire(max(total, 1)))
+        return [(self.held[-1][:total], 0, len(sizes))]
+
+    def release(self) -> None:
+        for buf in self.held:
+            POOL.release(buf)
+        self.held.clear()
 
 
 class GpuEncoder:
@@ -80,9 +187,10 @@ class GpuEncoder:
                  gdeflate_type: int, pool: Executor | None, pinned_bytes: int = 512 << 20) -> None:
         self.device = device
         self.chunk_bytes = chunk_bytes
-        # Two buckets are in flight at once (one compressing, one being copied out).
+        self.granule = granule_for(chunk_bytes)
+        # Two buckets are in flight at once (one compressing, one being compacted and copied out).
         self.bucket_budget = max(budget_bytes // 2, 64 * chunk_bytes)
-        # A bucket's slots cross to one pinned buffer; two are held at once.
+        # The writer copies a bucket into one pinned buffer of the pool at a time.
         self.max_slots = max(16 * 16, pinned_bytes // 2 // chunk_bytes)
         self.gdeflate_type = gdeflate_type
         self.pool = pool
@@ -93,9 +201,9 @@ class GpuEncoder:
     def _block_cost(self, job: GpuJob) -> int:
         c = self.chunk_bytes
         compressed = sum(name != "none" for name in job.layout.plane_codecs)
-        # per plane: its slot; per compressed plane: nvCOMP's output slot (its bound is up to
-        # two chunks) and the gather that moves the result back into the slot
-        return job.n_planes * c + compressed * 3 * c
+        # per plane: its slot, its packed copy and the gather index (8 bytes per granule);
+        # per compressed plane: nvCOMP's output slot (its bound is up to two chunks)
+        return job.n_planes * (2 * c + 8 * c // self.granule) + compressed * 2 * c
 
     def _plan(self, jobs: list[GpuJob]) -> list[_Bucket]:
         """Pack block ranges of the jobs, in order, into buckets under the budget."""
@@ -121,99 +229,131 @@ class GpuEncoder:
         return [b for b in buckets if b.segments]
 
     # -- device work ---------------------------------------------------------------------------
-    def _launch(self, jobs: list[GpuJob], bucket: _Bucket, parity: int) -> _Launched:
-        stream = self.streams[parity]
+    def _slot_table(self, jobs: list[GpuJob], bucket: _Bucket) -> tuple[np.ndarray, np.ndarray, list[tuple[str, str | None]]]:
+        """Per slot: uncompressed bytes and codec group (-1: stored raw); and the group keys."""
         c = self.chunk_bytes
-        # Per-slot bookkeeping in numpy: a GB is ~16k slots, too many for Python loops.
+        # numpy, not Python loops: a GB is ~16k slots
         raw_sizes = np.empty(bucket.slots, dtype=np.int64)
         slot_key = np.full(bucket.slots, -1, dtype=np.int32)
         keys: dict[tuple[str, str | None], int] = {}
-        with torch.cuda.stream(stream):
-            slots = torch.empty((max(bucket.slots, 1), c), dtype=torch.uint8, device=self.device)
-            for seg in bucket.segments:
-                job = jobs[seg.job]
-                p = job.n_planes
-                start = seg.first_block * c
-                m = min(job.elements, (seg.first_block + seg.n_blocks) * c) - start
-                full, tail = divmod(m, c)
-                src = job.data[start * p : (start + m) * p]
-                region = slots[seg.first_slot : seg.first_slot + seg.n_blocks * p]
-                if job.layout.transform == TRANSFORM_BYTEPLANES:
-                    if full:
-                        region[: full * p].view(full, p, c).copy_(src[: full * c * p].view(full, c, p).permute(0, 2, 1))
-                    if tail:
-                        region[full * p : (full + 1) * p, :tail].copy_(src[full * c * p :].view(tail, p).t())
-                else:
-                    if full:
-                        region[:full].copy_(src[: full * c].view(full, c))
-                    if tail:
-                        region[full, :tail].copy_(src[full * c :])
-                span = slice(seg.first_slot, seg.first_slot + seg.n_blocks * p)
-                raw_sizes[span] = c
-                if tail:
-                    raw_sizes[seg.first_slot + full * p : span.stop] = tail
-                plane_keys = [
-                    -1 if name == "none" else keys.setdefault((name, typed_data_type(name, job.dtype)), len(keys))
-                    for name in job.layout.plane_codecs
-                ]
-                slot_key[span] = np.tile(np.asarray(plane_keys, dtype=np.int32), seg.n_blocks)
-            groups = []
-            for key, kid in sorted(keys.items(), key=lambda kv: str(kv[0])):
-                ids = np.flatnonzero(slot_key == kid)
-                codec, cap = self.codecs[parity].get(key[0], key[1])
-                comp = torch.empty(len(ids) * cap, dtype=torch.uint8, device=self.device)
-                src_b = nv.as_arrays(slots.view(-1), (ids * c).tolist(), raw_sizes[ids].tolist(), cuda_stream=stream.cuda_stream)
-                dst_b = nv.as_arrays(comp, list(range(0, len(ids) * cap, cap)), [cap] * len(ids), cuda_stream=stream.cuda_stream)
-                groups.append((ids, comp, cap, codec.encode(src_b, out=dst_b)))
-        return _Launched(bucket, stream, slots, raw_sizes, groups)
+        for seg in bucket.segments:
+            job = jobs[seg.job]
+            p = job.n_planes
+            m = min(job.elements, (seg.first_block + seg.n_blocks) * c) - seg.first_block * c
+            full, tail = divmod(m, c)
+            span = slice(seg.first_slot, seg.first_slot + seg.n_blocks * p)
+            raw_sizes[span] = c
+            if tail:
+                raw_sizes[seg.first_slot + full * p : span.stop] = tail
+            plane_keys = [
+                -1 if name == "none" else keys.setdefault((name, typed_data_type(name, job.dtype)), len(keys))
+                for name in job.layout.plane_codecs
+            ]
+            slot_key[span] = np.tile(np.asarray(plane_keys, dtype=np.int32), seg.n_blocks)
+        return raw_sizes, slot_key, sorted(keys, key=lambda k: keys[k])
 
-    def _finish(self, jobs: list[GpuJob], launched: _Launched, partial: dict[int, list]) -> Iterator[tuple[GpuJob, EncodedItem]]:
+    def _split_planes(self, jobs: list[GpuJob], bucket: _Bucket, slots: torch.Tensor) -> None:
+        """Copy each segment's blocks into its slots, one plane per slot (reads the tensors)."""
         c = self.chunk_bytes
-        stored = launched.raw_sizes.copy()
-        n = len(stored)
-        pinned = POOL.acquire(max(1, n * c))
-        try:
-            with torch.cuda.stream(launched.stream):
-                for ids, comp, cap, result in launched.groups:
-                    sizes = np.asarray(result.buffer_sizes, dtype=np.int64)  # waits for this encode only
-                    used = sizes < launched.raw_sizes[ids]  # compression paid: keep it
-                    if used.any():
-                        stored[ids[used]] = sizes[used]
-                        dst = torch.from_numpy(ids[used]).to(self.device)
-                        src = torch.from_numpy(np.flatnonzero(used)).to(self.device)
-                        launched.slots[dst] = comp.view(-1, cap)[src, :c]
-                # One copy of the whole slot array: cheaper than compacting on the device
-                # (boolean-mask compaction materializes 16 bytes of indices per byte kept), and
-                # the host writes each chunk's stored prefix straight from pinned memory.
-                pinned[: n * c].view(n, c).copy_(launched.slots[:n], non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(launched.stream)
-            done.synchronize()
-            host = memoryview(pinned.numpy())
-            views = [host[i * c : i * c + size] for i, size in enumerate(stored.tolist())]
-            crcs = self._checksums(views)
-            for seg in launched.bucket.segments:
-                job = jobs[seg.job]
-                first = seg.first_slot
-                count = seg.n_blocks * job.n_planes
-                chunks = [(views[i], crcs[i]) for i in range(first, first + count)]
-                whole = seg.first_block == 0 and (seg.first_block + seg.n_blocks) * c >= job.elements
-                if not whole:
-                    # Spans buckets: its bytes must outlive this pinned buffer.
-                    partial.setdefault(seg.job, []).extend((bytes(v), crc) for v, crc in chunks)
-                    if (seg.first_block + seg.n_blocks) * c < job.elements:
-                        continue
-                    chunks = partial.pop(seg.job)
-                yield job, self._item(job, chunks)
-        finally:
-            POOL.release(pinned)
+        for seg in bucket.segments:
+            job = jobs[seg.job]
+            p = job.n_planes
+            start = seg.first_block * c
+            m = min(job.elements, (seg.first_block + seg.n_blocks) * c) - start
+            full, tail = divmod(m, c)
+            src = job.data[start * p : (start + m) * p]
+            region = slots[seg.first_slot : seg.first_slot + seg.n_blocks * p]
+            if job.layout.transform == TRANSFORM_BYTEPLANES:
+                if full:
+                    region[: full * p].view(full, p, c).copy_(src[: full * c * p].view(full, c, p).permute(0, 2, 1))
+                if tail:
+                    region[full * p : (full + 1) * p, :tail].copy_(src[full * c * p :].view(tail, p).t())
+            else:
+                if full:
+                    region[:full].copy_(src[: full * c].view(full, c))
+                if tail:
+                    region[full, :tail].copy_(src[full * c :])
 
+    def _launch(self, jobs: list[GpuJob], bucket: _Bucket, parity: int) -> _Launched:
+        stream = self.streams[parity]
+        c, g = self.chunk_bytes, self.granule
+        raw_sizes, slot_key, keys = self._slot_table(jobs, bucket)
+        groups, end = [], bucket.slots * c
+        for kid, (name, data_type) in enumerate(keys):
+            _, cap = self.codecs[parity].get(name, data_type)
+            ids = np.flatnonzero(slot_key == kid)
+            groups.append(_Group(ids, end, -(-cap // g) * g))
+            end += len(ids) * groups[-1].cap
+        with torch.cuda.stream(stream):
+            arena = torch.empty(max(end, g), dtype=torch.uint8, device=self.device)
+            slots = arena[: bucket.slots * c].view(bucket.slots, c)
+            self._split_planes(jobs, bucket, slots)
+            for grp, (name, data_type) in zip(groups, keys):
+                codec, cap = self.codecs[parity].get(name, data_type)
+                src = nv.as_arrays(arena, (grp.ids * c).tolist(), raw_sizes[grp.ids].tolist(), cuda_stream=stream.cuda_stream)
+                out_offsets = range(grp.base, grp.base + len(grp.ids) * grp.cap, grp.cap)
+                dst = nv.as_arrays(arena, list(out_offsets), [cap] * len(grp.ids), cuda_stream=stream.cuda_stream)
+                grp.result = codec.encode(src, out=dst)
+        return _Launched(bucket, stream, arena, raw_sizes, groups)
+
+    def _to_host(self, launched: _Launched, sink: HostSink) -> HostBucket:
+        """Pack the bucket's stored chunks on the device and queue their copy into ``sink``'s memory."""
+        c, g = self.chunk_bytes, self.granule
+        stored = launched.raw_sizes.copy()
+        src_offsets = np.arange(len(stored), dtype=np.int64) * c
+        for grp in launched.groups:
+            sizes = np.asarray(grp.result.buffer_sizes, dtype=np.int64)  # waits for this encode only
+            used = sizes < launched.raw_sizes[grp.ids]  # compression paid: keep it
+            stored[grp.ids[used]] = sizes[used]
+            src_offsets[grp.ids[used]] = grp.base + np.flatnonzero(used) * grp.cap
+        with torch.cuda.stream(launched.stream):
+            packed, offsets = pack_chunks(launched.arena, src_offsets, stored, g)
+            runs = sink.place(np.diff(offsets))
+            for host, lo, hi in runs:
+                host.copy_(packed[int(offsets[lo]) : int(offsets[hi])], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(launched.stream)
+        return HostBucket(launched.bucket, stored, offsets, runs, done)
+
+    def _buckets(self, jobs: list[GpuJob], ready: torch.cuda.Event | None, sink: HostSink) -> Iterator[HostBucket]:
+        if ready is not None:
+            for s in self.streams:
+                s.wait_event(ready)
+        prev: _Launched | None = None
+        for k, bucket in enumerate(self._plan(jobs)):
+            cur = self._launch(jobs, bucket, k % 2)
+            if prev is not None:
+                yield self._to_host(prev, sink)
+            prev = cur
+        if prev is not None:
+            yield self._to_host(prev, sink)
+
+    # -- host work -----------------------------------------------------------------------------
     def _checksums(self, views: list[memoryview]) -> list[int]:
         if self.pool is None or len(views) < 64:
             return [checksum(v) for v in views]
         step = 256
         parts = self.pool.map(lambda i: [checksum(v) for v in views[i : i + step]], range(0, len(views), step))
         return [crc for part in parts for crc in part]
+
+    def _bucket_items(self, jobs: list[GpuJob], hb: HostBucket, partial: dict[int, list],
+                      copy_partial: bool) -> Iterator[tuple[GpuJob, EncodedItem]]:
+        c = self.chunk_bytes
+        views = hb.views()
+        crcs = self._checksums(views)
+        for seg in hb.bucket.segments:
+            job = jobs[seg.job]
+            first = seg.first_slot
+            chunks = [(views[i], crcs[i]) for i in range(first, first + seg.n_blocks * job.n_planes)]
+            whole = seg.first_block == 0 and (seg.first_block + seg.n_blocks) * c >= job.elements
+            if not whole:
+                # Spans buckets; with copy_partial its bytes must outlive this bucket's buffer.
+                partial.setdefault(seg.job, []).extend((bytes(v), crc) if copy_partial else (v, crc)
+                                                       for v, crc in chunks)
+                if (seg.first_block + seg.n_blocks) * c < job.elements:
+                    continue
+                chunks = partial.pop(seg.job)
+            yield job, self._item(job, chunks)
 
     def _item(self, job: GpuJob, chunks: list[tuple[Any, int]]) -> EncodedItem:
         header = ItemHeader(
@@ -223,39 +363,80 @@ class GpuEncoder:
         )
         return EncodedItem(header, header.pack(), [v for v, _ in chunks])
 
-    # -- entry point ---------------------------------------------------------------------------
+    # -- entry points --------------------------------------------------------------------------
     def encode(self, jobs: list[GpuJob], ready: torch.cuda.Event | None = None) -> Iterator[tuple[GpuJob, EncodedItem]]:
         """Yield ``(job, encoded item)`` for every job, in order of completion.
 
         ``ready`` is an event recorded on the caller's stream after the tensors were produced;
-        our streams wait on it, so compression never reads a tensor before it is written.
+        our streams wait on it, so compression never reads a tensor before it is written. The
+        yielded chunks view a pooled pinned buffer that is reused once the next item is asked for.
         """
-        if ready is not None:
-            for s in self.streams:
-                s.wait_event(ready)
         partial: dict[int, list] = {}
-        prev: _Launched | None = None
-        for k, bucket in enumerate(self._plan(jobs)):
-            cur = self._launch(jobs, bucket, k % 2)
-            if prev is not None:
-                yield from self._finish(jobs, prev, partial)
-            prev = cur
-        if prev is not None:
-            yield from self._finish(jobs, prev, partial)
+        sink = _PooledSink()
+        try:
+            for hb in self._buckets(jobs, ready, sink):
+                hb.done.synchronize()
+                yield from self._bucket_items(jobs, hb, partial, copy_partial=True)
+                sink.release()
+        finally:
+            sink.release()
+
+    def stage(self, jobs: list[GpuJob], sink: HostSink, ready: torch.cuda.Event | None = None) -> list[HostBucket]:
+        """Compress ``jobs`` into ``sink``'s host memory; returns once every copy is complete.
+
+        After it returns the tensors are no longer read (training may change them) and the
+        stored chunks are in host memory; :meth:`items` then checksums them into records.
+        """
+        buckets = list(self._buckets(jobs, ready, sink))
+        for hb in buckets:
+            hb.done.synchronize()
+        return buckets
+
+    def items(self, jobs: list[GpuJob], buckets: list[HostBucket]) -> Iterator[tuple[GpuJob, EncodedItem]]:
+        """The records of jobs staged by :meth:`stage` (host work only: checksums and headers).
+
+        Their chunks view the sink's memory, which must stay untouched while they are in use.
+        """
+        partial: dict[int, list] = {}
+        for hb in buckets:
+            yield from self._bucket_items(jobs, hb, partial, copy_partial=False)
+
+
+def _by_device(jobs: list[GpuJob]) -> dict[torch.device, list[GpuJob]]:
+    by_device: dict[torch.device, list[GpuJob]] = {}
+    for job in jobs:
+        by_device.setdefault(job.data.device, []).append(job)
+    return by_device
+
+
+def _ready_event(device: torch.device) -> torch.cuda.Event:
+    """An event on the caller's current stream of ``device``: our streams wait on it, so
+    compression reads tensors only after the work that produced them (e.g. the optimizer step)."""
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(device))
+    return ready
 
 
 def encode_on_devices(
     jobs: list[GpuJob], encoder_for: Callable[[torch.device], GpuEncoder]
 ) -> Iterator[tuple[GpuJob, EncodedItem]]:
-    """Encode ``jobs`` with one encoder per device, in device order.
+    """Encode ``jobs`` with one encoder per device, in device order."""
+    for device, device_jobs in _by_device(jobs).items():
+        yield from encoder_for(device).encode(device_jobs, _ready_event(device))
 
-    Each device's encoder waits on an event recorded on the caller's current stream there, so
-    compression reads tensors only after the work that produced them (e.g. the optimizer step).
-    """
-    by_device: dict[torch.device, list[GpuJob]] = {}
-    for job in jobs:
-        by_device.setdefault(job.data.device, []).append(job)
-    for device, device_jobs in by_device.items():
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(device))
-        yield from encoder_for(device).encode(device_jobs, ready)
+
+def stage_on_devices(
+    jobs: list[GpuJob], encoder_for: Callable[[torch.device], GpuEncoder], sink: HostSink
+) -> Callable[[], Iterator[tuple[GpuJob, EncodedItem]]]:
+    """Stage ``jobs`` into ``sink``'s memory on every device (returns when all copies are done);
+    the returned function yields their records (checksums and headers, host work only)."""
+    staged = []
+    for device, device_jobs in _by_device(jobs).items():
+        encoder = encoder_for(device)
+        staged.append((encoder, device_jobs, encoder.stage(device_jobs, sink, _ready_event(device))))
+
+    def items() -> Iterator[tuple[GpuJob, EncodedItem]]:
+        for encoder, device_jobs, buckets in staged:
+            yield from encoder.items(device_jobs, buckets)
+
+    return items

@@ -1,0 +1,113 @@
+"""The GPU encoder's packing of stored chunks, run on the CPU: the same torch gather and the same
+host placement the GPU path uses, so the layout logic is checked on every machine."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from nvdcp.dcp.stager import HostBuffers
+from nvdcp.gpu.encoder import HostBucket, compaction_plan, granule_for, pack_chunks
+
+MiB = 1 << 20
+
+
+def test_granule_divides_the_chunk_size() -> None:
+    assert granule_for(65536) == 256
+    assert granule_for(1024) == 256
+    assert granule_for(3000) == 8
+    assert granule_for(1025) == 1
+
+
+def _arena_with_chunks(rng: np.random.Generator, stored: list[int], chunk: int, granule: int) -> tuple[torch.Tensor, np.ndarray]:
+    """An arena holding chunks at shuffled, granule-aligned, non-overlapping places."""
+    slot = -(-chunk // granule) * granule
+    order = rng.permutation(len(stored))
+    src = np.asarray([int(k) * slot for k in order], dtype=np.int64)
+    arena = torch.from_numpy(rng.integers(0, 256, size=max(len(stored) * slot, granule), dtype=np.uint8))
+    return arena, src
+
+
+@pytest.mark.parametrize("chunk", [4096, 3000, 1025])
+@pytest.mark.parametrize("seed", range(20))
+def test_packed_chunks_equal_the_source_chunks(chunk: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(0, chunk + 1, size=int(rng.integers(0, 40)))
+    sizes[rng.random(len(sizes)) < 0.2] = chunk  # some chunks stored raw, whole
+    stored = sizes.astype(np.int64)
+    g = granule_for(chunk)
+    arena, src = _arena_with_chunks(rng, stored.tolist(), chunk, g)
+    packed, offsets = pack_chunks(arena, src, stored, g)
+    assert len(offsets) == len(stored) + 1
+    assert all(o % g == 0 for o in offsets)
+    assert offsets[-1] <= stored.sum() + len(stored) * (g - 1)  # padding below one granule per chunk
+    flat = packed.numpy()
+    for i, n in enumerate(stored.tolist()):
+        assert offsets[i] + n <= offsets[i + 1]
+        assert bytes(flat[offsets[i] : offsets[i] + n]) == bytes(arena.numpy()[src[i] : src[i] + n])
+
+
+def test_compaction_plan_rows() -> None:
+    rows, offsets = compaction_plan(np.asarray([512, 0]), np.asarray([300, 256]), 256)
+    assert rows.tolist() == [2, 3, 0]
+    assert offsets.tolist() == [0, 512, 768]
+
+
+def test_placement_covers_every_piece_in_order_without_splitting_one() -> None:
+    buffers = HostBuffers(keep_bytes=16 * MiB, segment_bytes=MiB)
+    rng = np.random.default_rng(0)
+    sizes = rng.integers(0, 65536, size=300).astype(np.int64)
+    runs = buffers.place(sizes)
+    assert runs[0][1] == 0 and runs[-1][2] == len(sizes)
+    for (_, _, hi), (_, lo, _) in zip(runs, runs[1:]):
+        assert hi == lo  # consecutive
+    for buf, lo, hi in runs:
+        assert buf.numel() == int(sizes[lo:hi].sum())
+    spans = sorted((b.data_ptr(), b.data_ptr() + b.numel()) for b, _, _ in runs if b.numel())
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))  # disjoint
+    kept = buffers.kept_bytes
+    assert kept <= 16 * MiB and buffers.temp_bytes == 0
+    buffers.reset()
+    again = buffers.place(sizes)
+    assert [(b.data_ptr(), lo, hi) for b, lo, hi in again] == [(b.data_ptr(), lo, hi) for b, lo, hi in runs]
+    assert buffers.kept_bytes == kept  # the second save reuses the memory
+
+
+def test_placement_beyond_the_kept_limit_is_temporary() -> None:
+    buffers = HostBuffers(keep_bytes=2 * MiB, segment_bytes=MiB)
+    sizes = np.full(80, 65536, dtype=np.int64)  # 5 MiB
+    runs = buffers.place(sizes)
+    assert sum(b.numel() for b, _, _ in runs) == 5 * MiB
+    assert buffers.kept_bytes <= 2 * MiB and buffers.temp_bytes >= 3 * MiB
+    buffers.reset()
+    assert buffers.temp_bytes == 0 and buffers.kept_bytes <= 2 * MiB
+
+
+def test_placement_of_nothing_and_of_empty_pieces() -> None:
+    buffers = HostBuffers(keep_bytes=MiB)
+    assert buffers.place(np.zeros(0, dtype=np.int64)) == []
+    runs = buffers.place(np.zeros(3, dtype=np.int64))
+    assert [(b.numel(), lo, hi) for b, lo, hi in runs] == [(0, 0, 3)]
+
+
+def test_host_bucket_views_are_the_stored_bytes() -> None:
+    buffers = HostBuffers(keep_bytes=MiB, segment_bytes=MiB)
+    stored = np.asarray([5, 0, 256, 70000 % 65536], dtype=np.int64)
+    g = 256
+    arena, src = _arena_with_chunks(np.random.default_rng(1), stored.tolist(), 65536, g)
+    packed, offsets = pack_chunks(arena, src, stored, g)
+    runs = buffers.place(np.diff(offsets))
+    for host, lo, hi in runs:
+        host.copy_(packed[int(offsets[lo]) : int(offsets[hi])])
+    bucket = HostBucket(bucket=None, stored=stored, offsets=offsets, runs=runs, done=None)  # type: ignore[arg-type]
+    views = bucket.views()
+    assert [bytes(v) for v in views] == [bytes(arena.numpy()[s : s + n]) for s, n in zip(src, stored)]
+
+
+@pytest.mark.parametrize("nbytes", [1, MiB, MiB + 1, 3 * MiB])
+def test_pinned_footprint_is_the_next_power_of_two(nbytes: int) -> None:
+    from nvdcp.dcp.stager import _pinned_footprint
+
+    got = _pinned_footprint(nbytes)
+    assert got >= nbytes and got & (got - 1) == 0 and got < 2 * nbytes + 1
