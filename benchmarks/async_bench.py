@@ -16,8 +16,7 @@ in place; then it waits for the upload. Per save:
   renamed into place);
 - ``peak_pinned_MiB``: page-locked host memory held for the save (DefaultStager: the pinned
   storages of the state dict it staged, measured with ``is_pinned``; nvdcp: the stager's kept
-  buffers, whose pinned segments are powers of two, plus the GPU encoder's pinned pool);
-  ``host_allocator_peak_MiB`` cross-checks with torch's pinned host allocator statistics.
+  buffers, whose pinned segments are powers of two, plus the GPU encoder's pinned pool).
 
 The first save of a variant allocates (and pins) its buffers; later saves reuse them: the table
 shows the first save and the mean of the others (on torch < 2.13 each DefaultStager serves one
@@ -44,12 +43,12 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import nvdcp  # noqa: E402
-from benchmarks.common import dir_bytes, fresh_dir, markdown_table, write_results  # noqa: E402
-from benchmarks.workload import states_equal, tensor_bytes, train_state, zeros_like_state  # noqa: E402
-from nvdcp.dcp.stager import NvcompStager  # noqa: E402
-from nvdcp.demo.model import GPTConfig  # noqa: E402
-from nvdcp.gpu.pinned import POOL  # noqa: E402
+import nvdcp
+from benchmarks.common import dir_bytes, fresh_dir, markdown_table, write_results
+from benchmarks.workload import states_equal, tensor_bytes, train_state, zeros_like_state
+from nvdcp.dcp.stager import NvcompStager
+from nvdcp.demo.model import GPTConfig
+from nvdcp.gpu.pinned import POOL
 
 MiB = 1 << 20
 
@@ -188,8 +187,6 @@ def run(variant: Variant, state: Any, root: str, saves: int) -> dict[str, Any]:
     path = fresh_dir(os.path.join(root, variant.name.replace(" ", "_").replace("/", "_")))
     POOL.trim()
     POOL.peak = POOL.allocated
-    if torch.cuda.is_available():
-        torch.cuda.memory.reset_peak_host_memory_stats()
     blocked, durable = [], []
     want = None
     for i in range(saves):
@@ -210,10 +207,6 @@ def run(variant: Variant, state: Any, root: str, saves: int) -> dict[str, Any]:
         "durable_s": round(statistics.mean(durable[1:] or durable), 4),
         "peak_pinned_MiB": round(variant.peak_pinned / MiB, 1), "bit_exact": exact,
     }
-    if torch.cuda.is_available():
-        # torch's pinned host allocator (our buffers and pool; DefaultStager pins with cudaHostRegister instead)
-        row["host_allocator_peak_MiB"] = round(
-            torch.cuda.memory.host_memory_stats().get("allocated_bytes.peak", 0) / MiB, 1)
     if isinstance(variant.stager, NvcompStager) and variant.stager.last_stats is not None:
         s = variant.stager.last_stats
         row["stage"] = {"gpu_shards": s.gpu_shards, "compressed_shards": s.compressed_shards,

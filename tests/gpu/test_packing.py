@@ -3,6 +3,8 @@ host placement the GPU path uses, so the layout logic is checked on every machin
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -60,12 +62,12 @@ def test_placement_covers_every_piece_in_order_without_splitting_one() -> None:
     sizes = rng.integers(0, 65536, size=300).astype(np.int64)
     runs = buffers.place(sizes)
     assert runs[0][1] == 0 and runs[-1][2] == len(sizes)
-    for (_, _, hi), (_, lo, _) in zip(runs, runs[1:]):
+    for (_, _, hi), (_, lo, _) in itertools.pairwise(runs):
         assert hi == lo  # consecutive
     for buf, lo, hi in runs:
         assert buf.numel() == int(sizes[lo:hi].sum())
     spans = sorted((b.data_ptr(), b.data_ptr() + b.numel()) for b, _, _ in runs if b.numel())
-    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))  # disjoint
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in itertools.pairwise(spans))  # disjoint
     kept = buffers.kept_bytes
     assert kept <= 16 * MiB and buffers.temp_bytes == 0
     buffers.reset()

@@ -158,8 +158,8 @@ def test_process_mode_async_save(tmp_path: Path) -> None:
 
 def test_staged_records_equal_the_writers_across_many_buckets(tmp_path: Path) -> None:
     # A tiny GPU budget cuts the state into many buckets, tensors spanning several of them.
-    gpu = GpuConfig(gpu_memory_bytes=8 * MiB)
-    big = torch.randn(3 * MiB, device=CUDA)  # 12 MiB: spans buckets
+    gpu = GpuConfig(gpu_memory_bytes=16 * MiB)
+    big = torch.randn(6 * MiB, device=CUDA)  # 24 MiB: spans buckets
     sd = {"big": big, "bf16": big[: MiB].bfloat16(), "ints": torch.arange(70_000, device=CUDA),
           "empty": torch.empty(0, device=CUDA), "scalar": torch.tensor(2.5, device=CUDA)}
     want = _snapshot(sd)
