@@ -129,8 +129,10 @@ class Variant:
     """One way of saving: a writer factory and a stager factory (none: plain dcp.save)."""
 
     def __init__(self, name: str, writer: Callable[[str], Any], reader: Callable[[str], Any],
-                 make_stager: Callable[[], Any] | None = None, sync_save: bool = False) -> None:
+                 make_stager: Callable[[], Any] | None = None, sync_save: bool = False,
+                 reuse_stager: bool = REUSE_DEFAULT_STAGER) -> None:
         self.name, self.writer, self.reader, self.sync_save = name, writer, reader, sync_save
+        self.reuse_stager = reuse_stager
         self.make_stager = make_stager
         self.stager: Any = None
         self.peak_pinned = 0
@@ -139,7 +141,7 @@ class Variant:
     def _stager(self) -> Any:
         if self.make_stager is None:
             return None
-        if self.stager is not None and isinstance(self.stager, DefaultStager) and not REUSE_DEFAULT_STAGER:
+        if self.stager is not None and isinstance(self.stager, DefaultStager) and not self.reuse_stager:
             self.close()
         if self.stager is None:
             self.stager = self.make_stager()
@@ -216,7 +218,7 @@ def run(variant: Variant, state: Any, root: str, saves: int) -> dict[str, Any]:
     return row
 
 
-def variants(small: bool) -> list[Variant]:
+def variants(small: bool, reuse_default_stager: bool = False) -> list[Variant]:
     stock_reader = dcp.FileSystemReader
     ours_reader = nvdcp.NvcompReader
     cuda = torch.cuda.is_available()
@@ -233,10 +235,51 @@ def variants(small: bool) -> list[Variant]:
     if cuda:
         out.insert(3, Variant("stock + DefaultStager, async staging", dcp.FileSystemWriter, stock_reader,
                               lambda: MeasuredDefaultStager(StagingOptions(True, False, True, True))))
+    if reuse_default_stager and not REUSE_DEFAULT_STAGER:
+        # One DefaultStager for every save, as torch >= 2.13 allows: its pinned copies are reused,
+        # so later saves pay only the copy. Tried on older torch on request (it may fail there).
+        out.insert(3, Variant("stock + DefaultStager, reused", dcp.FileSystemWriter, stock_reader,
+                              lambda: MeasuredDefaultStager(StagingOptions(cuda, False, False, cuda)),
+                              reuse_stager=True))
     if small or not cuda:
         out.append(Variant("nvdcp + NvcompStager cpu compress", nvdcp.NvcompWriter, ours_reader,
                            lambda: NvcompStager(cpu_mode="compress")))
     return out
+
+
+def profile_stage(state: Any, repeats: int = 4) -> None:
+    """Stage ``state`` with NvcompStager a few times (no saves) and print where the last took time."""
+    import cProfile
+    import pstats
+
+    from nvdcp.dcp.stager import StagedTensor, release_staged
+
+    def shards(obj: Any) -> list[Any]:
+        if isinstance(obj, StagedTensor):
+            return obj.staged_shards
+        if isinstance(obj, dict):
+            return [s for v in obj.values() for s in shards(v)]
+        if isinstance(obj, list):
+            return [s for v in obj for s in shards(v)]
+        return []
+
+    stager = NvcompStager()
+    profiler = cProfile.Profile()
+    for i in range(repeats):
+        sync()
+        if i == repeats - 1:
+            profiler.enable()
+        staged = stager.stage(state)
+        if i == repeats - 1:
+            profiler.disable()
+        held = shards(staged)
+        for shard in held:
+            _ = shard.encoded  # waits for the background records (GPU staging)
+        release_staged(held)
+        del staged, held
+        print(f"stage {i}: {stager.last_stats}", flush=True)
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
+    stager.close()
 
 
 def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -263,6 +306,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default="/tmp/nvdcp-async-bench")
     ap.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
     ap.add_argument("--small", action="store_true", help="tiny model, a few steps, on the CPU (smoke test)")
+    ap.add_argument("--reuse-default-stager", action="store_true",
+                    help="on torch < 2.13 also try one DefaultStager for every save (torch >= 2.13 always does)")
+    ap.add_argument("--only", default=None, help="run only the variants whose name contains this text")
+    ap.add_argument("--profile-stage", action="store_true",
+                    help="profile NvcompStager.stage on the workload first (prints the hot spots)")
     args = ap.parse_args(argv)
     if args.small:
         device, cfg = "cpu", GPTConfig(d_model=64, n_layers=2, n_heads=4, context=32)
@@ -281,7 +329,10 @@ def main(argv: list[str] | None = None) -> int:
         "rows": [],
     }
     raw = tensor_bytes(state)
-    for variant in variants(args.small):
+    if args.profile_stage:
+        profile_stage(state)
+    for variant in [v for v in variants(args.small, args.reuse_default_stager)
+                    if args.only is None or args.only in v.name]:
         try:
             row = run(variant, state, args.dir, saves)
             row["ratio"] = round(raw / row["bytes"], 4)

@@ -294,6 +294,7 @@ class StageStats:
 
     seconds: float = 0.0
     wait_seconds: float = 0.0
+    gpu_seconds: float = 0.0  # GPU compression and the copy of stored bytes to host memory
     raw_bytes: int = 0
     staged_bytes: int = 0
     shards: int = 0
@@ -372,6 +373,7 @@ class NvcompStager:
         self._finish_pool: ThreadPoolExecutor | None = None
         self._finishing: Future[None] | None = None
         self._encoders: dict[torch.device, Any] = {}
+        self._gpu_ok = False
 
     def __getstate__(self) -> dict[str, Any]:
         keep = ("codec", "chunk_bytes", "gpu", "cpu_mode", "buffer_bytes", "codec_threads", "wait_timeout_s")
@@ -413,6 +415,7 @@ class NvcompStager:
         started = time.perf_counter()
         lease = self._acquire()
         stats = StageStats(wait_seconds=time.perf_counter() - started)
+        self._gpu_ok = gpu_available()  # once per save, not per tensor
         try:
             assert self._buffers is not None
             gpu_jobs: list[Any] = []
@@ -421,7 +424,9 @@ class NvcompStager:
             if copies:
                 self._finish_copies(copies)
             if gpu_jobs:
+                t0 = time.perf_counter()
                 self._encode_on_gpu(gpu_jobs, stats)
+                stats.gpu_seconds = time.perf_counter() - t0
         except BaseException:
             lease.release()
             raise
@@ -524,7 +529,7 @@ class NvcompStager:
             nbytes = data.numel() * data.element_size()
             stats.shards += 1
             stats.raw_bytes += nbytes
-            if data.is_cuda and gpu_available():
+            if data.is_cuda and self._gpu_ok:
                 gpu_jobs.append(self._gpu_job(shard, data, code))
                 stats.gpu_shards += 1
             elif self.cpu_mode == "compress" and not data.is_cuda and self.codec not in GPU_ONLY:

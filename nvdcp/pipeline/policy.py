@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,7 @@ def validate_codec_choice(codec: str) -> str:
     return codec
 
 
+@functools.cache  # called per tensor on paths that block training; a handful of distinct arguments
 def choose_layout(dtype: torch.dtype | None, codec: str, auto_codec: str = CPU_AUTO_CODEC) -> Layout:
     """Pick the layout for an item of ``dtype`` (``None`` for BYTE_IO items).
 
