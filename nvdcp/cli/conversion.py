@@ -47,6 +47,7 @@ from nvdcp.codecs import GPU_ONLY
 from nvdcp.dcp import descriptor
 from nvdcp.dcp.metadata_io import METADATA_NAME
 from nvdcp.dcp.reader import NvcompReader, describe_index
+from nvdcp.dcp.save_guard import SaveGuard
 from nvdcp.dcp.writer import _writer_info, tensor_to_host_bytes
 from nvdcp.errors import (
     CheckpointExistsError,
@@ -62,7 +63,7 @@ from nvdcp.report import Report
 
 FORMATS = ("nvdcp", "stock")
 _SOURCE_NAME = re.compile(r"^__(\d+)_(?:[0-9a-f]+_)?(\d+)\.(?:distcp|nvdcp)$")
-_OUR_DATA_FILES = re.compile(r"^__\d+_(?:[0-9a-f]+_)?\d+\.(?:distcp|nvdcp)$")
+_STOCK_DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -357,6 +358,9 @@ class _Converter:
             by_file.setdefault(job.info.relative_path, []).append(job)
         save_id = uuid.uuid4().hex
         names = _destination_names(sorted(by_file), opts.to, save_id[:12])
+        guard = SaveGuard(self.dst)
+        if opts.to == "nvdcp":
+            guard.mark(save_id[:12])  # saves racing here keep their files, and we keep ours
         total = sum(j.raw_nbytes for j in jobs)
         done = 0
         storage_data: dict[MetadataIndex, _StorageInfo] = {}
@@ -394,13 +398,19 @@ class _Converter:
                     except BaseException:
                         stream.abort()
                         raise
-            self._commit(storage_data, save_id)
+            guard.check_data_files(storage_data)
+            committed = self._commit(storage_data, save_id)
         except BaseException:
             self.dst.delete(created)
+            guard.unmark()
             raise
         finally:
             self.codec_pool.shutdown()
-        self._delete_unreferenced({info.relative_path for info in storage_data.values()})
+        keep = {info.relative_path for info in storage_data.values()}
+        guard.cleanup(keep, committed)
+        # Stock file names carry no save token (fixed __<rank>_<i>.distcp): an earlier stock
+        # checkpoint's extra files go too.
+        self.dst.delete([n for n in self.dst.list() if _STOCK_DATA_FILE.match(n) and n not in keep])
         for phase, seconds in self.source.report.phases.items():
             self.report.add(0, 0, **{phase: seconds})
         self.report.seconds = time.perf_counter() - started
@@ -411,7 +421,7 @@ class _Converter:
             len(by_file), self.report,
         )
 
-    def _commit(self, storage_data: dict[MetadataIndex, _StorageInfo], save_id: str) -> None:
+    def _commit(self, storage_data: dict[MetadataIndex, _StorageInfo], save_id: str) -> bytes:
         metadata: Metadata = copy.copy(self.metadata)
         metadata.storage_data = storage_data
         metadata.storage_meta = StorageMeta(checkpoint_id=self.dst_path, save_id=save_id)
@@ -421,13 +431,7 @@ class _Converter:
         else:
             blob = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)  # as NvcompWriter.finish
         self.dst.write_atomic(METADATA_NAME, blob)
-
-    def _delete_unreferenced(self, keep: set[str]) -> None:
-        names = self.dst.list()
-        stale = [n for n in names if _OUR_DATA_FILES.match(n) and n not in keep]
-        stale += [n for n in names if n.startswith(METADATA_NAME + ".") and n.endswith(".tmp")]
-        if stale:
-            self.dst.delete(stale)
+        return blob
 
 
 def convert_checkpoint(

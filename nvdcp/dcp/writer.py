@@ -7,27 +7,20 @@ coordinator atomically (temp file and rename on disk, one PUT on S3). Only after
 earlier saves to the same location deleted: at every instant the location holds either the old
 complete checkpoint or the new one.
 
-Saves racing on one location: each save marks itself in progress with a small object
-``.metadata.pending<token>.tmp`` before any of its data files exists, and removes it after its
-commit. Cleanup after a commit never deletes the files of a save whose marker is live (see
-``_save_alive``), and ``finish`` checks that every data file the new ``.metadata`` references is
-there, whole, before committing it (docs/RELIABILITY.md).
+Saves racing on one location follow :mod:`nvdcp.dcp.save_guard`: an in-progress marker before
+any data file, a check that every data file the new ``.metadata`` names is whole before the
+commit, and cleanup that never deletes a live save's files (docs/RELIABILITY.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
-import json
 import logging
 import os
 import pickle
-import re
-import socket
-import threading
 import time
 import uuid
-import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -40,13 +33,11 @@ from torch.futures import Future
 
 from nvdcp.codecs import GPU_ONLY, codec_name
 from nvdcp.dcp import descriptor
+from nvdcp.dcp.save_guard import SaveGuard
 from nvdcp.dcp.stager import StagedShard, WriterStagingMixin, release_staged
 from nvdcp.errors import (
     CheckpointExistsError,
     CodecUnavailableError,
-    CorruptCheckpointError,
-    MissingDataFileError,
-    TruncatedCheckpointError,
 )
 from nvdcp.format.dtypes import dtype_code
 from nvdcp.format.header import DEFAULT_CHUNK_BYTES, KIND_BYTES, KIND_TENSOR, pack_file_header
@@ -62,13 +53,6 @@ logger = logging.getLogger(__name__)
 from nvdcp.dcp.metadata_io import METADATA_NAME
 
 DATA_SUFFIX = ".nvdcp"
-_DATA_FILE = re.compile(r"^__\d+_([0-9a-f]+)_\d+\.nvdcp$")
-#: Marker of a save in progress (its token); matches ``.metadata.*.tmp`` on purpose, so tools
-#: that clean up after DCP writers (nvdcp.manage) remove a crashed save's marker too.
-_PENDING = re.compile(r"^\.metadata\.pending([0-9a-f]+)\.tmp$")
-_METADATA_TMP = re.compile(r"^\.metadata\.[0-9A-Za-z]+\.tmp$")
-#: A marker written on another machine is taken as abandoned after this long (no save lasts a day).
-ASSUME_DEAD_AFTER_S = 24 * 3600
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +162,7 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
         self.last_report: Report | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._caller_event: Any = None
-        self._pending_token: str | None = None
+        self._guard: SaveGuard | None = None
 
     # -- pickling (async_save PROCESS mode): no threads or handles travel ----------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -195,7 +179,9 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
 
     # -- StorageWriter -------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        self._pending_token = None  # a save that never reached finish() is over
+        if self._guard is not None:
+            self._guard.abandon()  # a save that never reached finish() is over
+            self._guard = None
         if checkpoint_id:
             self.path = os.fspath(checkpoint_id)
             self.storage = open_storage(self.path, sync=self.sync_files, **self.storage_options)
@@ -220,7 +206,8 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         token = uuid.uuid4().hex[:12]
-        self._mark_pending(token)  # before any rank creates a data file of this save
+        self._guard = SaveGuard(self.storage)
+        self._guard.mark(token)  # before any rank creates a data file of this save
         return [
             dataclasses.replace(p, storage_data=_FilePrefix(f"__{i}_{token}_")) for i, p in enumerate(plans)
         ]
@@ -262,9 +249,11 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
         metadata.storage_data = storage_md
         metadata.storage_meta = StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
         blob = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
-        self._check_data_files(storage_md)
+        guard = self._guard or SaveGuard(self.storage)  # no marker without a global plan step
+        guard.check_data_files(storage_md)
         self.storage.write_atomic(METADATA_NAME, blob)
-        self._delete_unreferenced({info.relative_path for info in storage_md.values()}, blob)
+        guard.cleanup({info.relative_path for info in storage_md.values()}, blob)
+        self._guard = None
         total = Report.from_metadata("save", self.storage.url, metadata)
         if self.last_report is not None:
             # whole-checkpoint bytes, this rank's phase times (the coordinator's view)
@@ -289,106 +278,6 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
         return supports_url(os.fspath(checkpoint_id))
 
     # -- internals -----------------------------------------------------------------------------
-    def _mark_pending(self, token: str) -> None:
-        """Mark the save ``token`` in progress at this location (see ``_save_alive``)."""
-        self._pending_token = token
-        _LIVE_WRITERS[token] = self
-        self.storage.write_atomic(_pending_name(token), json.dumps(_owner(token)).encode())
-
-    def _check_data_files(self, records: dict[Any, Any]) -> None:
-        """Before committing: every data file the new ``.metadata`` names is there and whole."""
-        ends: dict[str, int] = {}
-        for info in records.values():
-            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
-
-        def check(item: tuple[str, int]) -> None:
-            name, end = item
-            try:
-                size = self.storage.size(name)
-            except FileNotFoundError:
-                raise MissingDataFileError(
-                    f"{self.storage.describe(name)} was written by this save but is gone; "
-                    "another save to the same location may have deleted it. .metadata not written"
-                ) from None
-            if size != end:
-                cls = TruncatedCheckpointError if size < end else CorruptCheckpointError
-                raise cls(
-                    f"{self.storage.describe(name)} holds {size} bytes, this save wrote {end}; "
-                    "another writer changed it. .metadata not written"
-                )
-
-        with ThreadPoolExecutor(min(16, max(1, len(ends))), thread_name_prefix="nvdcp-check") as pool:
-            list(pool.map(check, ends.items()))
-
-    def _delete_unreferenced(self, keep: set[str], committed: bytes | None = None) -> None:
-        """After the new ``.metadata`` (``committed``) is committed, remove data files of earlier saves.
-
-        Files of a save still in progress at this location (a live marker) are kept. The order
-        makes that race-free on any store with read-after-write listing: data files are listed
-        before markers, and ``.metadata`` is read again after both. A marker missing from the
-        second listing for a file present in the first means that save committed in between;
-        then ``.metadata`` is no longer ours and we delete only our own files (superseded). After
-        our marker is gone we look once more: a save that committed over ours while our marker
-        still stood kept our files, so they are ours to delete.
-        """
-        own = self._pending_token
-        names = self.storage.list()
-        markers = {m.group(1): n for n in self.storage.list() if (m := _PENDING.match(n))}
-        live = {t for t, n in markers.items() if t != own and self._save_alive(t, n)}
-        superseded = committed is not None and self._superseded(committed)
-        if superseded:
-            stale = [n for n in names if (m := _DATA_FILE.match(n)) and m.group(1) == own]
-        else:
-            stale = [n for n in names if (m := _DATA_FILE.match(n)) and n not in keep and m.group(1) not in live]
-            stale += [n for t, n in markers.items() if t != own and t not in live]
-            if not live:  # a temp file of a live save's commit may be in flight otherwise
-                stale += [n for n in names if _METADATA_TMP.match(n) and not _PENDING.match(n)]
-        if stale:
-            logger.debug("deleting %d files of earlier saves under %s", len(stale), self.storage.url)
-            self.storage.delete(stale)
-        if own is None:
-            return
-        self.storage.delete([_pending_name(own)])
-        self._pending_token = None
-        _LIVE_WRITERS.pop(own, None)
-        if not superseded and committed is not None and self._superseded(committed):
-            self.storage.delete([n for n in names if (m := _DATA_FILE.match(n)) and m.group(1) == own])
-        if live:
-            logger.info("kept the files of %d save(s) in progress under %s", len(live), self.storage.url)
-
-    def _superseded(self, committed: bytes) -> bool:
-        """Whether ``.metadata`` is no longer the one this save committed."""
-        try:
-            current = self.storage.read(METADATA_NAME)
-        except FileNotFoundError:
-            current = b""  # deleted under us (nvdcp.manage): nothing here is referenced any more
-        if current != committed:
-            logger.warning("a later save committed over %s; removing this save's files", self.storage.url)
-            return True
-        return False
-
-    def _save_alive(self, token: str, marker: str) -> bool:
-        """Whether the save that wrote ``marker`` may still write or commit.
-
-        Same process: it is live while its writer has not finished or moved on to another save.
-        Same machine and PID namespace: while its process runs (PID and start time match).
-        Elsewhere: for ``ASSUME_DEAD_AFTER_S`` after it started. An unreadable marker is dead
-        (markers are written atomically, so it is not one being written).
-        """
-        try:
-            info = json.loads(self.storage.read(marker))
-            where, pid, start, created = info["machine"], int(info["pid"]), info["start"], float(info["created"])
-        except FileNotFoundError:
-            return False
-        except (ValueError, KeyError, TypeError):
-            return False
-        if where == _machine() and where:
-            if pid == os.getpid() and start == _process_start(pid):
-                writer = _LIVE_WRITERS.get(token)
-                return writer is not None and writer._pending_token == token
-            return start is not None and _process_start(pid) == start
-        return time.time() - created < ASSUME_DEAD_AFTER_S
-
     def _encode(self, item: WriteItem, data: torch.Tensor | io.BytesIO) -> EncodedItem:
         pool = self._codec_pool()
         if item.type == WriteItemType.BYTE_IO:
@@ -506,48 +395,6 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
             stream.abort()
             raise
         return results
-
-
-#: Writers with a save in progress in this process, by token (weak: a dropped writer's save is over).
-_LIVE_WRITERS: weakref.WeakValueDictionary[str, NvcompWriter] = weakref.WeakValueDictionary()
-
-
-def _pending_name(token: str) -> str:
-    return f"{METADATA_NAME}.pending{token}.tmp"
-
-
-def _process_start(pid: int) -> str | None:
-    """Start time of process ``pid`` (clock ticks since boot), or None if it is not running."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[19].decode()
-    except (OSError, IndexError):
-        return None
-
-
-_MACHINE_LOCK = threading.Lock()
-_MACHINE: list[str] = []
-
-
-def _machine() -> str:
-    """This kernel and PID namespace ("" where /proc cannot tell): where PIDs mean the same thing."""
-    with _MACHINE_LOCK:
-        if not _MACHINE:
-            try:
-                with open("/proc/sys/kernel/random/boot_id") as f:
-                    boot = f.read().strip()
-                ns = os.readlink("/proc/self/ns/pid")
-                _MACHINE.append(f"{socket.gethostname()}/{boot}/{ns}")
-            except OSError:
-                _MACHINE.append("")
-        return _MACHINE[0]
-
-
-def _owner(token: str) -> dict[str, object]:
-    return {
-        "token": token, "machine": _machine(), "pid": os.getpid(),
-        "start": _process_start(os.getpid()), "created": time.time(),
-    }
 
 
 def _main_codec(encoded: EncodedItem) -> str:

@@ -68,6 +68,27 @@ def test_cleanup_keeps_the_files_of_a_save_in_progress(tmp_path: Path) -> None:
     assert present == referenced  # B's files went in A's cleanup
 
 
+def test_convert_keeps_the_files_of_a_save_in_progress(tmp_path: Path) -> None:
+    """``nvdcp convert --overwrite`` into a location where a save is in progress follows the
+    same protocol as a save: its cleanup keeps the other save's files (before, it deleted them)."""
+    from nvdcp.cli.conversion import ConvertOptions, convert_checkpoint
+
+    target, source = tmp_path / "t", tmp_path / "src"
+    _save(target, 1)
+    _save(source, 3)
+    pause = Pause()
+    with ThreadPoolExecutor(1) as pool:
+        a = pool.submit(_save, target, 2, F.Stopper(at="write_end", action=pause))
+        assert pause.reached.wait(60)
+        convert_checkpoint(source, target, ConvertOptions(overwrite=True, codec="zstd"))
+        assert F.outcome(target, {"b": F.full_state(3)}) == "b"
+        pause.resume.set()
+        a.result()
+    assert F.outcome(target, {"a": F.full_state(2), "b": F.full_state(3)}) == "a"
+    referenced, present = F.checkpoint_files(target)
+    assert present == referenced  # the conversion's files went in A's cleanup, and its marker
+
+
 def test_superseded_save_removes_only_its_own_files(tmp_path: Path) -> None:
     """A commits, then pauses before its cleanup; B commits over it; A's cleanup sees it lost."""
     target = tmp_path / "t"
