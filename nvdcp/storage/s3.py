@@ -390,6 +390,15 @@ class S3Storage(Storage):
         if not spans:
             self._check_empty_ranges(name, ranges)
             return [memoryview(b"") for _ in ranges]
+        if max(end - start for start, end, _ in spans) > self.config.read_part_size:
+            # Ranges come from .metadata, which may be hostile: check a large one against the
+            # object before allocating it (small ones cost no more than the GET that fails).
+            size = self.size(name)
+            for start, end, _ in spans:
+                if end > size:
+                    raise TruncatedCheckpointError(
+                        f"{where}: wanted bytes {start}..{end}, the object ends after {size}"
+                    )
         buffers = [bytearray(end - start) for start, end, _ in spans]
         pieces = [
             (start + p, memoryview(buf)[p : min(p + self.config.read_part_size, len(buf))])

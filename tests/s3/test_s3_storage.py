@@ -18,6 +18,7 @@ from nvdcp.errors import (
     S3AccessDeniedError,
     StorageCredentialsError,
     StorageUnavailableError,
+    TruncatedCheckpointError,
 )
 from nvdcp.storage import open_storage
 from nvdcp.storage.s3 import S3Storage, coalesce, parse_s3_url, translate_error
@@ -313,6 +314,18 @@ def test_missing_object(s3env: S3Env) -> None:
     with pytest.raises(MissingDataFileError, match="s3://nvdcp-test/m/gone") as info:
         store.read_range("gone", 0, 10)
     _no_secret(info.value)
+
+
+def test_a_range_past_the_object_end_is_refused_before_allocating(s3env: S3Env) -> None:
+    # A hostile .metadata may name a terabyte-long record: the length is checked against the
+    # object first (before, the reader allocated it: MemoryError or the OOM killer).
+    store = S3Storage(s3env.url("huge"), **FAST)
+    store.write_atomic("f", b"x" * 1000)
+    with pytest.raises(TruncatedCheckpointError, match="s3://nvdcp-test/huge/f"):
+        store.read_range("f", 10, 1 << 40)
+    with pytest.raises(TruncatedCheckpointError):
+        store.read_ranges("f", [(0, 10), (100, 1 << 40)])
+    assert bytes(store.read_range("f", 990, 10)) == b"x" * 10
 
 
 def test_access_denied_and_bad_credentials(s3env: S3Env, moto_s3) -> None:
