@@ -1,8 +1,9 @@
-"""Build hook for nvdcp's one optional native piece; all package metadata is in pyproject.toml.
+"""Build hook for nvdcp's optional native pieces; all package metadata is in pyproject.toml.
 
 ``nvdcp.codecs._gdeflate_guard`` keeps a malformed GDeflate stream from aborting the process
-(docs/SECURITY.md). It is optional: without a C++ compiler the build warns, skips it, and nvdcp
-calls nvCOMP's CPU decoder directly.
+(docs/SECURITY.md); ``nvdcp.format._crc32c_batch`` checksums many chunks in one call, on several
+threads (nvdcp/format/crc.py). Both are optional: without a C++ compiler the build warns, skips
+them, and nvdcp calls nvCOMP's CPU decoder directly and checksums with the crc32c package.
 """
 
 from setuptools import Extension, setup
@@ -15,6 +16,14 @@ setup(
             language="c++",
             extra_compile_args=["-O2", "-fexceptions"],
             optional=True,
-        )
+        ),
+        Extension(
+            "nvdcp.format._crc32c_batch",
+            sources=["nvdcp/format/_crc32c_batch.cpp"],
+            language="c++",
+            extra_compile_args=["-O2", "-std=c++17", "-pthread"],
+            extra_link_args=["-pthread"],
+            optional=True,
+        ),
     ]
 )

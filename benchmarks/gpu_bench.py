@@ -25,12 +25,12 @@ import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import nvdcp  # noqa: E402
-from benchmarks.common import dir_bytes, drop_page_cache, fresh_dir, markdown_table, write_results  # noqa: E402
-from benchmarks.workload import states_equal, tensor_bytes, to_bf16, train_state, zeros_like_state  # noqa: E402
-from nvdcp.demo.model import GPTConfig  # noqa: E402
-from nvdcp.gpu.config import GpuConfig  # noqa: E402
-from nvdcp.gpu.pinned import POOL  # noqa: E402
+import nvdcp
+from benchmarks.common import dir_bytes, drop_page_cache, fresh_dir, markdown_table, write_results
+from benchmarks.workload import states_equal, tensor_bytes, to_bf16, train_state, zeros_like_state
+from nvdcp.demo.model import GPTConfig
+from nvdcp.gpu.config import GpuConfig
+from nvdcp.gpu.pinned import POOL
 
 sync = torch.cuda.synchronize
 
@@ -132,10 +132,8 @@ def codec_stage(state: Any, cfg: GpuConfig) -> dict[str, float]:
     jobs = [GpuJob(i, t.reshape(-1).view(torch.uint8), choose_layout(t.dtype, "auto", GPU_AUTO_CODEC), t.dtype,
                    dtype_code(t.dtype), tuple(t.shape)) for i, t in enumerate(tensors)]
     raw = sum(j.data.numel() for j in jobs)
-    from concurrent.futures import ThreadPoolExecutor
 
-    pool = ThreadPoolExecutor(os.cpu_count() or 1)  # as NvcompWriter's codec pool (host CRC32C)
-    encoder = GpuEncoder(device, chunk_bytes=65536, budget_bytes=cfg.gpu_budget(device), gdeflate_type=0, pool=pool)
+    encoder = GpuEncoder(device, chunk_bytes=65536, budget_bytes=cfg.gpu_budget(device), gdeflate_type=0)
     items = [(j, bytes(e.header_bytes), [bytes(c) for c in e.chunks], e.header) for j, e in encoder.encode(jobs)]
     items.sort(key=lambda it: it[0].key)
     t_enc = timed_sync(lambda: [None for _ in encoder.encode(jobs)])

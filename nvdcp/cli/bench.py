@@ -215,7 +215,7 @@ class _GpuRunner:
         self.codec, self.chunk_bytes = codec, chunk_bytes
         self.dev = torch.device("cuda", torch.cuda.current_device())
         budget = GpuConfig().gpu_budget(self.dev)
-        self.encoder = GpuEncoder(self.dev, chunk_bytes=chunk_bytes, budget_bytes=budget, gdeflate_type=0, pool=pool)
+        self.encoder = GpuEncoder(self.dev, chunk_bytes=chunk_bytes, budget_bytes=budget, gdeflate_type=0)
         self.decoder = GpuDecoder(self.dev, budget_bytes=budget)
 
     def run(self, batch: list[torch.Tensor]) -> tuple[int, float, float]:

@@ -324,7 +324,7 @@ class _Converter:
         if encoder is None:
             budget = GpuConfig().gpu_budget(device) // self.options.threads
             encoder = self._gpu.encoder = GpuEncoder(
-                device, chunk_bytes=self.options.chunk_bytes, budget_bytes=budget, gdeflate_type=0, pool=self.codec_pool,
+                device, chunk_bytes=self.options.chunk_bytes, budget_bytes=budget, gdeflate_type=0,
             )
         data = torch.from_numpy(raw).to(device)
         gpu_job = GpuJob(job.index, data, layout, job.dtype, dtype_code(job.dtype), job.shape)

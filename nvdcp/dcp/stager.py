@@ -604,8 +604,7 @@ class NvcompStager:
         if device not in self._encoders:
             self._encoders[device] = GpuEncoder(
                 device, chunk_bytes=self.chunk_bytes, budget_bytes=self.gpu.gpu_budget(device),
-                gdeflate_type=self.gpu.gdeflate_algorithm_type, pool=self._codec_pool(),
-                pinned_bytes=self.gpu.pinned_memory_bytes,
+                gdeflate_type=self.gpu.gdeflate_algorithm_type, pinned_bytes=self.gpu.pinned_memory_bytes,
             )
         return self._encoders[device]
 

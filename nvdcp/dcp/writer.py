@@ -336,7 +336,7 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
             return GpuEncoder(
                 device, chunk_bytes=self.chunk_bytes,
                 budget_bytes=self.gpu.gpu_budget(device) // self.thread_count,
-                gdeflate_type=self.gpu.gdeflate_algorithm_type, pool=self._codec_pool(),
+                gdeflate_type=self.gpu.gdeflate_algorithm_type,
                 pinned_bytes=self.gpu.pinned_memory_bytes // self.thread_count,
             )
 
@@ -416,4 +416,4 @@ def _writer_info(rank: int, save_id: str) -> dict[str, object]:
     }
 
 
-__all__ = ["NvcompWriter", "split_into_files", "tensor_to_host_bytes", "METADATA_NAME"]
+__all__ = ["METADATA_NAME", "NvcompWriter", "split_into_files", "tensor_to_host_bytes"]

@@ -13,13 +13,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import nvidia.nvcomp as nv
 import numpy as np
+import nvidia.nvcomp as nv
 import torch
 
 from nvdcp.codecs import codec_name
 from nvdcp.errors import CorruptCheckpointError
-from nvdcp.format.header import TRANSFORM_BYTEPLANES, ItemHeader, checksum
+from nvdcp.format.crc import checksum_ranges
+from nvdcp.format.header import TRANSFORM_BYTEPLANES, ItemHeader
 from nvdcp.gpu.nvcomp_codecs import CodecCache, typed_data_type
 from nvdcp.gpu.pinned import POOL
 
@@ -121,26 +122,26 @@ class GpuDecoder:
             for seg in segments:
                 h = seg.req.header
                 p = h.n_planes
-                first, last = seg.first * p, seg.last * p
-                views = [host[(k + j) * c : (k + j) * c + h.chunks[i][0]] for j, i in enumerate(range(first, last))]
-                seg.req.read_chunks(first, seg.offsets, views)
-                for j, i in enumerate(range(first, last)):
-                    size, crc = h.chunks[i]
-                    if checksum(views[j]) != crc:
-                        block, plane = divmod(i, p)
-                        raise CorruptCheckpointError(
-                            f"{seg.req.where}: chunk {i} (block {block}, plane {plane}) checksum mismatch"
-                        )
+                for i in range(seg.first * p, seg.last * p):
+                    size = h.chunks[i][0]
                     raw = h.block_elements(i // p)
                     raw_sizes.append(raw)
                     if size == raw:
                         raw_slots.append(k)
-                    elif size > raw:
+                    elif size > raw:  # checked before reading: a chunk never spills into the next slot
                         raise CorruptCheckpointError(f"{seg.req.where}: chunk {i} stores {size} bytes for {raw} raw")
                     else:
                         name = codec_name(h.plane_codecs[i % p])
                         groups.setdefault((name, typed_data_type(name, seg.req.dtype)), []).append(k)
                     k += 1
+            k = 0
+            for seg in segments:
+                h = seg.req.header
+                first, last = seg.first * h.n_planes, seg.last * h.n_planes
+                views = [host[(k + j) * c : (k + j) * c + h.chunks[i][0]] for j, i in enumerate(range(first, last))]
+                seg.req.read_chunks(first, seg.offsets, views)
+                k += last - first
+            _check_crcs(staging.numpy(), c, segments)
             up = torch.empty((n, c), dtype=torch.uint8, device=self.device)
             up.view(-1).copy_(staging[: n * c], non_blocking=True)
             copied = torch.cuda.Event()
@@ -186,6 +187,26 @@ class GpuDecoder:
             if bad:
                 raise CorruptCheckpointError(f"{_owner(segments, bad[0])}: a {name} chunk decoded to the wrong size on the GPU")
         return dec
+
+
+def _check_crcs(staging: np.ndarray, c: int, segments: list[_Segment]) -> None:
+    """Every staged chunk's CRC32C against its header (one batched call for the whole pass)."""
+    stored, expected = [], []
+    for seg in segments:
+        chunks = seg.req.header.chunks[seg.first * seg.req.header.n_planes : seg.last * seg.req.header.n_planes]
+        stored.extend(size for size, _ in chunks)
+        expected.extend(crc for _, crc in chunks)
+    got = checksum_ranges(staging, np.arange(len(stored), dtype=np.int64) * c, np.asarray(stored, dtype=np.int64))
+    bad = np.flatnonzero(got != np.asarray(expected, dtype=np.uint32))
+    if len(bad):
+        slot = int(bad[0])
+        for seg in segments:
+            if slot < seg.slots:
+                p = seg.req.header.n_planes
+                i = seg.first * p + slot
+                block, plane = divmod(i, p)
+                raise CorruptCheckpointError(f"{seg.req.where}: chunk {i} (block {block}, plane {plane}) checksum mismatch")
+            slot -= seg.slots
 
 
 def _owner(segments: list[_Segment], slot: int) -> str:

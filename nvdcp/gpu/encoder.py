@@ -17,7 +17,6 @@ leaving checksums and headers to :meth:`GpuEncoder.items`, which the caller runs
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -26,7 +25,8 @@ import nvidia.nvcomp as nv
 import torch
 
 from nvdcp.codecs import codec_id
-from nvdcp.format.header import TRANSFORM_BYTEPLANES, ItemHeader, checksum
+from nvdcp.format.crc import checksum_ranges
+from nvdcp.format.header import TRANSFORM_BYTEPLANES, ItemHeader
 from nvdcp.gpu.nvcomp_codecs import CodecCache, typed_data_type
 from nvdcp.gpu.pinned import POOL
 from nvdcp.pipeline.cpu import EncodedItem
@@ -95,6 +95,15 @@ class HostBucket:
     offsets: np.ndarray  # where each slot's chunk starts in the packed bucket
     runs: list[tuple[torch.Tensor, int, int]]  # host buffers holding slots lo..hi-1
     done: torch.cuda.Event
+
+    def checksums(self) -> list[int]:
+        """Each slot's CRC32C (one batched call per host buffer run)."""
+        crcs: list[int] = []
+        for host, lo, hi in self.runs:
+            if hi > lo:
+                starts = self.offsets[lo:hi] - self.offsets[lo]
+                crcs.extend(checksum_ranges(host.numpy(), starts, self.stored[lo:hi]).tolist())
+        return crcs
 
     def views(self) -> list[memoryview]:
         """Each slot's stored bytes (host work: kept off the path that blocks training)."""
@@ -184,7 +193,7 @@ class GpuEncoder:
     """Encodes CUDA tensors into container records (one encoder per device and writer thread)."""
 
     def __init__(self, device: torch.device, *, chunk_bytes: int, budget_bytes: int,
-                 gdeflate_type: int, pool: Executor | None, pinned_bytes: int = 512 << 20) -> None:
+                 gdeflate_type: int, pinned_bytes: int = 512 << 20) -> None:
         self.device = device
         self.chunk_bytes = chunk_bytes
         self.granule = granule_for(chunk_bytes)
@@ -193,7 +202,6 @@ class GpuEncoder:
         # The writer copies a bucket into one pinned buffer of the pool at a time.
         self.max_slots = max(16 * 16, pinned_bytes // 2 // chunk_bytes)
         self.gdeflate_type = gdeflate_type
-        self.pool = pool
         self.streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
         self.codecs = [CodecCache(device.index or 0, s, chunk_bytes, gdeflate_type) for s in self.streams]
 
@@ -329,18 +337,11 @@ class GpuEncoder:
             yield self._to_host(prev, sink)
 
     # -- host work -----------------------------------------------------------------------------
-    def _checksums(self, views: list[memoryview]) -> list[int]:
-        if self.pool is None or len(views) < 64:
-            return [checksum(v) for v in views]
-        step = 256
-        parts = self.pool.map(lambda i: [checksum(v) for v in views[i : i + step]], range(0, len(views), step))
-        return [crc for part in parts for crc in part]
-
     def _bucket_items(self, jobs: list[GpuJob], hb: HostBucket, partial: dict[int, list],
                       copy_partial: bool) -> Iterator[tuple[GpuJob, EncodedItem]]:
         c = self.chunk_bytes
         views = hb.views()
-        crcs = self._checksums(views)
+        crcs = hb.checksums()
         for seg in hb.bucket.segments:
             job = jobs[seg.job]
             first = seg.first_slot

@@ -14,6 +14,7 @@ import numpy as np
 
 from nvdcp.codecs import CODEC_TABLE, GPU_ONLY, codec_id, codec_name, cpu_codec
 from nvdcp.errors import CodecUnavailableError, CorruptCheckpointError
+from nvdcp.format.crc import checksum_ranges
 from nvdcp.format.header import (
     DEFAULT_CHUNK_BYTES,
     TRANSFORM_BYTEPLANES,
@@ -138,13 +139,15 @@ def _decode_group(
 def verify_chunks(record: memoryview, where: str) -> ItemHeader:
     """Check an item record's header and every chunk's CRC32C without decoding anything."""
     header = parse_item_header(record, where)
-    payload = record[header.header_bytes :]
-    pos = 0
-    for i, (size, crc) in enumerate(header.chunks):
-        if checksum(payload[pos : pos + size]) != crc:
-            block, plane = divmod(i, header.n_planes)
-            raise CorruptCheckpointError(f"{where}: chunk {i} (block {block}, plane {plane}) checksum mismatch")
-        pos += size
+    if not header.chunks:
+        return header
+    payload = np.frombuffer(record[header.header_bytes :], dtype=np.uint8)
+    sizes = np.asarray([size for size, _ in header.chunks], dtype=np.int64)
+    offsets = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    bad = np.flatnonzero(checksum_ranges(payload, offsets, sizes) != np.asarray([c for _, c in header.chunks], dtype=np.uint32))
+    if len(bad):
+        block, plane = divmod(int(bad[0]), header.n_planes)
+        raise CorruptCheckpointError(f"{where}: chunk {int(bad[0])} (block {block}, plane {plane}) checksum mismatch")
     return header
 
 

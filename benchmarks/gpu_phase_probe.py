@@ -1,0 +1,75 @@
+"""Wall time of each host step of the GPU encoder's writer path, per bucket (a diagnostic).
+
+    python benchmarks/gpu_phase_probe.py [--steps 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.gpu_bench import flat_tensors
+from benchmarks.workload import train_state
+from nvdcp.demo.model import GPTConfig
+from nvdcp.format.dtypes import dtype_code
+from nvdcp.gpu.config import GpuConfig
+from nvdcp.gpu.encoder import GpuEncoder, GpuJob, _PooledSink
+from nvdcp.pipeline.policy import GPU_AUTO_CODEC, choose_layout
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=40)
+    args = ap.parse_args()
+    state, _ = train_state("cuda", cfg=GPTConfig.reference(), steps=args.steps, batch=32)
+    device = torch.device("cuda", 0)
+    tensors = [t for _, t in flat_tensors(state) if t.is_cuda and t.numel()]
+    jobs = [GpuJob(i, t.reshape(-1).view(torch.uint8), choose_layout(t.dtype, "auto", GPU_AUTO_CODEC), t.dtype,
+                   dtype_code(t.dtype), tuple(t.shape)) for i, t in enumerate(tensors)]
+    enc = GpuEncoder(device, chunk_bytes=65536, budget_bytes=GpuConfig().gpu_budget(device), gdeflate_type=0)
+    for rep in range(3):
+        totals: dict[str, float] = {}
+        sink = _PooledSink()
+        torch.cuda.synchronize()
+        t_all = time.perf_counter()
+        clock = time.perf_counter()
+
+        def lap(name: str) -> None:
+            nonlocal clock
+            now = time.perf_counter()
+            totals[name] = totals.get(name, 0.0) + now - clock
+            clock = now
+
+        gen = enc._buckets(jobs, None, sink)
+        while True:
+            try:
+                hb = next(gen)
+            except StopIteration:
+                break
+            lap("launch+pack+d2h enqueue")
+            hb.done.synchronize()
+            lap("wait d2h")
+            views = hb.views()
+            lap("views")
+            crcs = enc._checksums(views)
+            lap("crc")
+            bytes_total = sum(len(v) for v in views)
+            lap("len")
+            for v in views[:64]:
+                bytes(v)
+            lap("bytes(64 views)")
+            sink.release()
+            del views, crcs
+            lap("release")
+        totals["total"] = time.perf_counter() - t_all
+        print(rep, {k: round(v * 1e3, 1) for k, v in totals.items()}, "ms; last bucket stored", bytes_total, flush=True)
+
+
+if __name__ == "__main__":
+    main()
