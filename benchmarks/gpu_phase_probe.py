@@ -57,7 +57,7 @@ def main() -> None:
             lap("wait d2h")
             views = hb.views()
             lap("views")
-            crcs = enc._checksums(views)
+            crcs = hb.checksums()
             lap("crc")
             bytes_total = sum(len(v) for v in views)
             lap("len")
