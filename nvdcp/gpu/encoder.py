@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
-import nvidia.nvcomp as nv
 import torch
 
 from nvdcp.codecs import codec_id
@@ -283,6 +282,8 @@ class GpuEncoder:
                     region[full, :tail].copy_(src[full * c :])
 
     def _launch(self, jobs: list[GpuJob], bucket: _Bucket, parity: int) -> _Launched:
+        import nvidia.nvcomp as nv  # here, not at import: the packing helpers above run without it
+
         stream = self.streams[parity]
         c, g = self.chunk_bytes, self.granule
         raw_sizes, slot_key, keys = self._slot_table(jobs, bucket)
