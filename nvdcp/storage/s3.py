@@ -64,6 +64,9 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _POOL_PREFIX = "nvdcp-s3"
+#: A ranged read longer than this is checked against the object's size (one HEAD) before its
+#: buffer is allocated.
+_CHECK_SIZE_ABOVE = 64 << 20
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 
 _CREDENTIAL_CODES = frozenset({
@@ -390,9 +393,9 @@ class S3Storage(Storage):
         if not spans:
             self._check_empty_ranges(name, ranges)
             return [memoryview(b"") for _ in ranges]
-        if max(end - start for start, end, _ in spans) > self.config.read_part_size:
+        if max(end - start for start, end, _ in spans) > _CHECK_SIZE_ABOVE:
             # Ranges come from .metadata, which may be hostile: check a large one against the
-            # object before allocating it (small ones cost no more than the GET that fails).
+            # object before allocating it (a small one costs no more than the GET that fails).
             size = self.size(name)
             for start, end, _ in spans:
                 if end > size:
