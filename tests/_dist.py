@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import gc
 import os
 import socket
 import warnings
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from nvdcp.demo.teardown import release_dtensor_caches
 
 #: Names (Linux ``comm``) of the threads a gloo process group and its TCPStore run.
 GLOO_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop", "pt_tcpstore_uv")
@@ -21,35 +21,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def release_dtensor_caches() -> None:
-    """Drop torch's DTensor sharding-propagation caches.
-
-    Their entries hold DeviceMeshes (through DTensorSpecs, redistribute planners, mesh topology
-    info), and a DeviceMesh holds its ProcessGroups: once any DTensor op has run,
-    ``destroy_process_group`` only unregisters the group, and its gloo worker, transport and
-    TCPStore threads keep running until the process exits. The C++ fast-path cache is never
-    cleared at exit, so the gloo group was never destroyed and its threads were still running
-    while the process tore down (the suspected source of the rare SIGABRT "terminate called
-    without an active exception" at a training phase's exit).
-    """
-    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
-    if clear_native is not None:
-        clear_native()
-    # The Python-side caches (private torch API: each is looked up, and skipped if it moved).
-    from torch.distributed.tensor import DTensor, _collective_utils, _redistribute
-
-    for clear in (
-        getattr(DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding, "cache_clear", None),
-        getattr(_redistribute, "clear_redistribute_planner_cache", None),
-        getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None),
-        getattr(getattr(getattr(_collective_utils, "MeshTopoInfo", None), "build_from_mesh", None),
-                "cache_clear", None),
-    ):
-        if clear is not None:
-            clear()
-    gc.collect()
 
 
 def live_gloo_threads() -> list[str]:

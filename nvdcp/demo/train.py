@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 
 import nvdcp
 from nvdcp.demo.model import GPT, GPTConfig, batch_for_step, lr_at, stdlib_bytes
+from nvdcp.demo.teardown import release_dtensor_caches
 from nvdcp.manage import broadcast_latest_checkpoint, checkpoint_path, prune_checkpoints
 from nvdcp.report import Report
 
@@ -331,6 +332,7 @@ def train(args: argparse.Namespace) -> None:
         checkpointer.finish()
         dist.barrier()
     finally:
+        release_dtensor_caches()  # else the gloo group outlives destroy_process_group (teardown.py)
         dist.destroy_process_group()
 
 
