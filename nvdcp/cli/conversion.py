@@ -407,10 +407,10 @@ class _Converter:
         finally:
             self.codec_pool.shutdown()
         keep = {info.relative_path for info in storage_data.values()}
-        guard.cleanup(keep, committed)
-        # Stock file names carry no save token (fixed __<rank>_<i>.distcp): an earlier stock
-        # checkpoint's extra files go too.
-        self.dst.delete([n for n in self.dst.list() if _STOCK_DATA_FILE.match(n) and n not in keep])
+        if not guard.cleanup(keep, committed):
+            # Stock file names carry no save token (fixed __<rank>_<i>.distcp): an earlier stock
+            # checkpoint's extra files go too, unless a later save now owns the location.
+            self.dst.delete([n for n in self.dst.list() if _STOCK_DATA_FILE.match(n) and n not in keep])
         for phase, seconds in self.source.report.phases.items():
             self.report.add(0, 0, **{phase: seconds})
         self.report.seconds = time.perf_counter() - started

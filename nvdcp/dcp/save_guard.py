@@ -89,7 +89,7 @@ class SaveGuard:
         with ThreadPoolExecutor(min(16, max(1, len(ends))), thread_name_prefix="nvdcp-check") as pool:
             list(pool.map(check, ends.items()))
 
-    def cleanup(self, keep: set[str], committed: bytes | None = None) -> None:
+    def cleanup(self, keep: set[str], committed: bytes | None = None) -> bool:
         """After the new ``.metadata`` (``committed``) is committed, remove data files of earlier saves.
 
         Files of a save still in progress at this location (a live marker) are kept. The order
@@ -98,7 +98,8 @@ class SaveGuard:
         second listing for a file present in the first means that save committed in between;
         then ``.metadata`` is no longer ours and we delete only our own files (superseded). After
         our marker is gone we look once more: a save that committed over ours while our marker
-        still stood kept our files, so they are ours to delete.
+        still stood kept our files, so they are ours to delete. Returns whether a later save
+        committed over ours (then nothing but our own files was touched).
         """
         own = self.token
         names = self.storage.list()
@@ -116,14 +117,16 @@ class SaveGuard:
             logger.debug("deleting %d files of earlier saves under %s", len(stale), self.storage.url)
             self.storage.delete(stale)
         if own is None:
-            return
+            return superseded
         self.storage.delete([pending_name(own)])
         self.token = None
         _LIVE.pop(own, None)
         if not superseded and committed is not None and self._superseded(committed):
             self.storage.delete([n for n in names if (m := DATA_FILE.match(n)) and m.group(1) == own])
+            superseded = True
         if live:
             logger.info("kept the files of %d save(s) in progress under %s", len(live), self.storage.url)
+        return superseded
 
     def _superseded(self, committed: bytes) -> bool:
         """Whether ``.metadata`` is no longer the one this save committed."""

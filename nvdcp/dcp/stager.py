@@ -128,7 +128,7 @@ class HostBuffers:
                 continue
             room = segments[seg].numel() - pos
             hi = int(np.searchsorted(ends, base + room, side="right"))
-            if hi == lo:
+            if hi <= lo:
                 self._cursor = [seg + 1, 0]
                 continue
             runs.append((self._take(segments, seg, pos, int(ends[hi - 1]) - base), lo, hi))
@@ -149,7 +149,8 @@ class HostBuffers:
             self.temp_bytes += self._temp[-1].numel()
 
     def _take(self, segments: list[torch.Tensor], seg: int, pos: int, nbytes: int) -> torch.Tensor:
-        self._cursor = [seg, pos + -(-nbytes // _ALIGN) * _ALIGN]
+        # The next piece starts 64-byte aligned, but never past the segment's end.
+        self._cursor = [seg, min(segments[seg].numel(), pos + -(-nbytes // _ALIGN) * _ALIGN)]
         self.used_bytes += nbytes
         return segments[seg][pos : pos + nbytes]
 
@@ -213,8 +214,11 @@ class StagedShard:
         return (_rebuild_tensor, (raw, t.dtype, tuple(t.shape)))
 
     def __repr__(self) -> str:
-        what = "host copy" if self.tensor is not None else "encoded"
-        return f"StagedShard({what}, {self.nbytes} bytes)"
+        if self.tensor is not None:
+            return f"StagedShard(host copy, {self.nbytes} bytes)"
+        if self._encoded is None:  # being finished in the background: do not wait here
+            return "StagedShard(encoded, pending)"
+        return f"StagedShard(encoded, {self._encoded.nbytes} bytes)"
 
 
 def _rebuild_encoded(header: ItemHeader, header_bytes: bytes, payload: bytes) -> StagedShard:
@@ -364,7 +368,9 @@ class NvcompStager:
 
     def _init_runtime(self) -> None:
         # Nothing here touches CUDA: a stager may be built (and pickled) before any GPU work.
-        self._lock = threading.Lock()
+        # Reentrant: a lease's finalizer (_release) may run from a garbage collection that
+        # happens while _acquire holds the lock.
+        self._lock = threading.RLock()
         self._idle = threading.Event()
         self._idle.set()
         self._generation = 0

@@ -29,13 +29,27 @@ def _native() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         path = os.path.join(here, "_crc32c_batch" + suffix)
         if os.path.exists(path):
-            lib = ctypes.CDLL(path)
-            fn = lib.nvdcp_crc32c_ranges
+            try:
+                fn = ctypes.CDLL(path).nvdcp_crc32c_ranges
+            except (OSError, AttributeError) as exc:  # e.g. built against another libstdc++, or stale
+                logger.warning("nvdcp: cannot load %s (%s); chunk checksums use the crc32c package", path, exc)
+                return None
             fn.argtypes = [ctypes.c_void_p, _I64_P, _I64_P, ctypes.c_int64, _U32_P, ctypes.c_int]
             fn.restype = ctypes.c_int
             return fn
     logger.debug("nvdcp.format._crc32c_batch is not built: chunk checksums use the crc32c package")
     return None
+
+
+@functools.cache
+def _default_threads() -> int:
+    """The cores this process may run on (affinity, not the machine's count), at most 16: the
+    checksums are memory-bound well before that, and may run next to training."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(16, cores))
 
 
 def native_available() -> bool:
@@ -60,7 +74,7 @@ def checksum_ranges(buf: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, t
     fn = _native()
     if fn is not None and len(offsets):
         fn(buf.ctypes.data, offsets.ctypes.data_as(_I64_P), lengths.ctypes.data_as(_I64_P), len(offsets),
-           out.ctypes.data_as(_U32_P), threads or os.cpu_count() or 1)
+           out.ctypes.data_as(_U32_P), threads or _default_threads())
         return out
     view = memoryview(buf)
     for i, (off, n) in enumerate(zip(offsets.tolist(), lengths.tolist())):

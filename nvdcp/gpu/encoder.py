@@ -389,7 +389,13 @@ class GpuEncoder:
         After it returns the tensors are no longer read (training may change them) and the
         stored chunks are in host memory; :meth:`items` then checksums them into records.
         """
-        buckets = list(self._buckets(jobs, ready, sink))
+        try:
+            buckets = list(self._buckets(jobs, ready, sink))
+        except BaseException:
+            # Copies already queued into the sink's memory must land before the caller reuses it.
+            for stream in self.streams:
+                stream.synchronize()
+            raise
         for hb in buckets:
             hb.done.synchronize()
         return buckets

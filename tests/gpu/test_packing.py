@@ -113,3 +113,16 @@ def test_pinned_footprint_is_the_next_power_of_two(nbytes: int) -> None:
 
     got = _pinned_footprint(nbytes)
     assert got >= nbytes and got & (got - 1) == 0 and got < 2 * nbytes + 1
+
+
+def test_placement_after_a_segment_of_odd_size_never_goes_back() -> None:
+    # A large host copy made a kept segment of MiB + 40 bytes (not a multiple of the 64-byte
+    # alignment); a later save fills it exactly. The cursor used to land past its end, the next
+    # step saw negative room and placed a piece twice, shifting every later chunk's bytes.
+    buffers = HostBuffers(keep_bytes=1 << 30)
+    buffers.alloc(MiB + 40)
+    buffers.reset()
+    sizes = np.asarray([MiB, 40, 16, 16], dtype=np.int64)
+    runs = buffers.place(sizes)
+    assert [(lo, hi) for _, lo, hi in runs] == [(0, 2), (2, 4)]
+    assert [b.numel() for b, _, _ in runs] == [MiB + 40, 32]
