@@ -207,7 +207,7 @@ class StagedShard:
         # bytes themselves (the host buffers stay here and are reused).
         if self.encoded is not None:
             e = self.encoded
-            return (_rebuild_encoded, (e.header, e.header_bytes, b"".join(bytes(c) for c in e.chunks)))
+            return (_rebuild_encoded, (e.header, e.header_bytes, b"".join(e.chunks)))  # one copy
         assert self.tensor is not None
         t = self.tensor
         raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
