@@ -160,7 +160,7 @@ def codec_stage(state: Any, cfg: GpuConfig) -> dict[str, float]:
     return {"raw_bytes": raw, "stored_bytes": stored, "ratio": round(raw / stored, 4), "codecs": codecs,
             "compress_GBps": round(raw / t_enc / 1e9, 1), "decompress_GBps": round(raw / t_dec / 1e9, 1),
             "compress_kernels_only_GBps": round(raw / t_kernels / 1e9, 1),
-            "note": "compress: planes + nvCOMP + D2H of the slots + host CRC32C (16 threads) + headers; "
+            "note": "compress: planes + nvCOMP + packing + D2H of stored bytes + host CRC32C (batched) + headers; "
                     "kernels_only: planes + nvCOMP on the GPU; decompress: host staging + CRC + H2D + nvCOMP + merge"}
 
 
