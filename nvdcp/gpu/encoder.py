@@ -41,19 +41,24 @@ def granule_for(chunk_bytes: int) -> int:
     return min(MAX_GRANULE, chunk_bytes & -chunk_bytes)
 
 
-def compaction_plan(src_offsets: np.ndarray, stored: np.ndarray, granule: int) -> tuple[np.ndarray, np.ndarray]:
+def compaction_plan(src_offsets: np.ndarray, stored: np.ndarray, granule: int,
+                    device: torch.device | None = None) -> tuple[torch.Tensor, np.ndarray]:
     """Row gather that packs chunks into one buffer, each starting at a granule boundary.
 
     ``src_offsets[i]`` (a multiple of ``granule``) is where chunk ``i``'s ``stored[i]`` bytes
     start in the source viewed as rows of ``granule`` bytes. Returns ``(rows, offsets)``:
-    gathering source rows ``rows`` in order gives the packed buffer, in which chunk ``i``
-    starts at byte ``offsets[i]`` (one more entry: the packed size).
+    gathering source rows ``rows`` (an int64 tensor on ``device``) in order gives the packed
+    buffer, in which chunk ``i`` starts at byte ``offsets[i]`` (one more entry: the packed size).
+    The per-row index is expanded on ``device`` from per-chunk numbers: building it on the host
+    and copying it over cost more than the gather itself.
     """
     counts = -(-stored.astype(np.int64) // granule)
     starts = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum(counts, out=starts[1:])
-    rows = np.repeat(src_offsets.astype(np.int64) // granule - starts[:-1], counts)
-    rows += np.arange(int(starts[-1]), dtype=np.int64)
+    total = int(starts[-1])
+    base = torch.from_numpy(src_offsets.astype(np.int64) // granule - starts[:-1]).to(device)
+    rows = torch.repeat_interleave(base, torch.from_numpy(counts).to(device), output_size=total)
+    rows += torch.arange(total, dtype=torch.int64, device=device)
     return rows, starts * granule
 
 
@@ -65,13 +70,12 @@ def pack_chunks(arena: torch.Tensor, src_offsets: np.ndarray, stored: np.ndarray
     the layout of the result. One ``index_select`` over rows of 8-byte words (when the granule
     allows) does the whole bucket, whatever the number of chunks.
     """
-    rows, offsets = compaction_plan(src_offsets, stored, granule)
+    rows, offsets = compaction_plan(src_offsets, stored, granule, arena.device)
     word = torch.int64 if granule % 8 == 0 and arena.numel() % 8 == 0 else torch.uint8
     width = granule // word.itemsize
     packed = torch.empty(max(int(offsets[-1]), granule), dtype=torch.uint8, device=arena.device)
     if len(rows):
-        index = torch.from_numpy(rows).to(arena.device)
-        torch.index_select(arena.view(word).view(-1, width), 0, index,
+        torch.index_select(arena.view(word).view(-1, width), 0, rows,
                            out=packed.view(word).view(-1, width)[: len(rows)])
     return packed, offsets
 

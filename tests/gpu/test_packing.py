@@ -50,9 +50,14 @@ def test_packed_chunks_equal_the_source_chunks(chunk: int, seed: int) -> None:
         assert bytes(flat[offsets[i] : offsets[i] + n]) == bytes(arena.numpy()[src[i] : src[i] + n])
 
 
+def test_compaction_plan_of_nothing() -> None:
+    rows, offsets = compaction_plan(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), 256)
+    assert rows.numel() == 0 and offsets.tolist() == [0]
+
+
 def test_compaction_plan_rows() -> None:
     rows, offsets = compaction_plan(np.asarray([512, 0]), np.asarray([300, 256]), 256)
-    assert rows.tolist() == [2, 3, 0]
+    assert rows.dtype == torch.int64 and rows.tolist() == [2, 3, 0]
     assert offsets.tolist() == [0, 512, 768]
 
 
