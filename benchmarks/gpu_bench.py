@@ -48,6 +48,17 @@ def flat_tensors(state: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]
     return out
 
 
+def encoder_jobs(state: Any) -> list[Any]:
+    """One GpuJob per non-empty CUDA tensor of ``state`` (codec auto), keyed by position."""
+    from nvdcp.format.dtypes import dtype_code
+    from nvdcp.gpu.encoder import GpuJob
+    from nvdcp.pipeline.policy import GPU_AUTO_CODEC, choose_layout
+
+    tensors = [t for _, t in flat_tensors(state) if t.is_cuda and t.numel()]
+    return [GpuJob(i, t.reshape(-1).view(torch.uint8), choose_layout(t.dtype, "auto", GPU_AUTO_CODEC), t.dtype,
+                   dtype_code(t.dtype), tuple(t.shape)) for i, t in enumerate(tensors)]
+
+
 def naive_nvcomp_save(state: Any, path: str) -> None:
     """One nvCOMP ANS encode per tensor (NATIVE bitstream), copy to host, append to one file."""
     import nvidia.nvcomp as nv
@@ -122,15 +133,11 @@ def timed_sync(fn: Any) -> float:
 def codec_stage(state: Any, cfg: GpuConfig) -> dict[str, float]:
     """GPU compress and decompress of the whole state, no storage: GB/s of uncompressed bytes."""
     from nvdcp.codecs import codec_name
-    from nvdcp.format.dtypes import dtype_code
     from nvdcp.gpu.decoder import GpuDecoder
-    from nvdcp.gpu.encoder import GpuEncoder, GpuJob
-    from nvdcp.pipeline.policy import GPU_AUTO_CODEC, choose_layout
+    from nvdcp.gpu.encoder import GpuEncoder
 
     device = torch.device("cuda", 0)
-    tensors = [t for _, t in flat_tensors(state) if t.is_cuda and t.numel()]
-    jobs = [GpuJob(i, t.reshape(-1).view(torch.uint8), choose_layout(t.dtype, "auto", GPU_AUTO_CODEC), t.dtype,
-                   dtype_code(t.dtype), tuple(t.shape)) for i, t in enumerate(tensors)]
+    jobs = encoder_jobs(state)
     raw = sum(j.data.numel() for j in jobs)
 
     encoder = GpuEncoder(device, chunk_bytes=65536, budget_bytes=cfg.gpu_budget(device), gdeflate_type=0)

@@ -14,13 +14,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.gpu_bench import flat_tensors
+from benchmarks.gpu_bench import encoder_jobs
 from benchmarks.workload import train_state
 from nvdcp.demo.model import GPTConfig
-from nvdcp.format.dtypes import dtype_code
 from nvdcp.gpu.config import GpuConfig
-from nvdcp.gpu.encoder import GpuEncoder, GpuJob, _PooledSink
-from nvdcp.pipeline.policy import GPU_AUTO_CODEC, choose_layout
+from nvdcp.gpu.encoder import GpuEncoder, _PooledSink
 
 
 def main() -> None:
@@ -29,9 +27,7 @@ def main() -> None:
     args = ap.parse_args()
     state, _ = train_state("cuda", cfg=GPTConfig.reference(), steps=args.steps, batch=32)
     device = torch.device("cuda", 0)
-    tensors = [t for _, t in flat_tensors(state) if t.is_cuda and t.numel()]
-    jobs = [GpuJob(i, t.reshape(-1).view(torch.uint8), choose_layout(t.dtype, "auto", GPU_AUTO_CODEC), t.dtype,
-                   dtype_code(t.dtype), tuple(t.shape)) for i, t in enumerate(tensors)]
+    jobs = encoder_jobs(state)
     enc = GpuEncoder(device, chunk_bytes=65536, budget_bytes=GpuConfig().gpu_budget(device), gdeflate_type=0)
     for rep in range(3):
         totals: dict[str, float] = {}

@@ -24,14 +24,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import write_results
-from benchmarks.gpu_bench import flat_tensors
+from benchmarks.gpu_bench import encoder_jobs
 from benchmarks.workload import train_state
 from nvdcp.demo.model import GPTConfig
-from nvdcp.format.dtypes import dtype_code
 from nvdcp.gpu.config import GpuConfig
 from nvdcp.gpu.decoder import DecodeRequest, GpuDecoder
-from nvdcp.gpu.encoder import GpuEncoder, GpuJob
-from nvdcp.pipeline.policy import GPU_AUTO_CODEC, choose_layout
+from nvdcp.gpu.encoder import GpuEncoder
 
 
 def timed(fn: Any, repeats: int = 3) -> float:
@@ -79,9 +77,7 @@ def main() -> int:
     args = ap.parse_args()
     state, _ = train_state("cuda", cfg=GPTConfig.reference(), steps=args.steps, batch=32)
     device = torch.device("cuda", 0)
-    tensors = [t for _, t in flat_tensors(state) if t.is_cuda and t.numel()]
-    jobs = [GpuJob(i, t.reshape(-1).view(torch.uint8), choose_layout(t.dtype, "auto", GPU_AUTO_CODEC), t.dtype,
-                   dtype_code(t.dtype), tuple(t.shape)) for i, t in enumerate(tensors)]
+    jobs = encoder_jobs(state)
     raw = sum(j.data.numel() for j in jobs)
     cfg = GpuConfig()
     encoder = GpuEncoder(device, chunk_bytes=65536, budget_bytes=cfg.gpu_budget(device), gdeflate_type=0)
