@@ -295,8 +295,9 @@ class GpuEncoder:
         for kid, (name, data_type) in enumerate(keys):
             _, cap = self.codecs[parity].get(name, data_type)
             ids = np.flatnonzero(slot_key == kid)
-            groups.append(_Group(ids, end, -(-cap // g) * g))
-            end += len(ids) * groups[-1].cap
+            base = -(-end // MAX_GRANULE) * MAX_GRANULE  # nvCOMP's outputs start aligned, whatever c is
+            groups.append(_Group(ids, base, -(-cap // g) * g))
+            end = base + len(ids) * groups[-1].cap
         with torch.cuda.stream(stream):
             arena = torch.empty(max(end, g), dtype=torch.uint8, device=self.device)
             slots = arena[: bucket.slots * c].view(bucket.slots, c)

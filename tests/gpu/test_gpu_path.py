@@ -109,10 +109,10 @@ def test_tensor_written_on_a_side_stream_just_before_save(tmp_path: Path) -> Non
 
 
 def test_cpu_written_golden_loads_on_gpu() -> None:
+    import json
+
     from tests.format.test_golden import GOLDEN
     from tests.golden.make_golden import digest, golden_state
-
-    import json
 
     expected = json.loads((GOLDEN / "expected.json").read_text())
     for codec in ("zstd", "gdeflate", "none"):
@@ -135,3 +135,17 @@ def test_write_gpu_golden_for_cpu_interop() -> None:
         sd = {k: (v.to(CUDA) if isinstance(v, torch.Tensor) else v) for k, v in golden_state().items()}
         dcp.save(sd, storage_writer=nvdcp.NvcompWriter(target, codec=codec))
         assert (target / ".metadata").exists()
+
+
+@pytest.mark.parametrize("chunk_bytes", [1024, 3000, 1025, 65536])
+def test_any_chunk_size_round_trips_on_gpu(tmp_path: Path, chunk_bytes: int) -> None:
+    # Chunk sizes that are not multiples of 8 leave slots and nvCOMP buffers unaligned.
+    g = torch.Generator(device="cuda").manual_seed(chunk_bytes)
+    sd = {"w": torch.randn(70_001, device="cuda", generator=g), "h": torch.randn(333, device="cuda", generator=g).half(),
+          "i": torch.arange(5_000, device="cuda", dtype=torch.int32)}
+    dcp.save(sd, storage_writer=nvdcp.NvcompWriter(tmp_path, chunk_bytes=chunk_bytes))
+    for device in ("cuda", "cpu"):
+        out = {k: torch.zeros_like(v, device=device) for k, v in sd.items()}
+        dcp.load(out, storage_reader=nvdcp.NvcompReader(tmp_path, gpu=GpuConfig(decode_device=device)))
+        for k in sd:
+            assert bit_equal(out[k].cpu(), sd[k].cpu()), (k, device)
