@@ -92,7 +92,7 @@ class GpuDecoder:
                 outs.append(out)
                 offsets = np.zeros(len(h.chunks) + 1, dtype=np.int64)
                 np.cumsum([s for s, _ in h.chunks], out=offsets[1:])
-                slot_cost = 2 * h.chunk_bytes  # staging on the device + decoded slot
+                slot_cost = 2 * (-(-h.chunk_bytes // 256) * 256)  # staging on the device + decoded slot
                 per_pass = max(1, self.budget // (slot_cost * h.n_planes))
                 for first in range(0, h.n_blocks, per_pass):
                     last = min(h.n_blocks, first + per_pass)
@@ -111,8 +111,11 @@ class GpuDecoder:
 
     def _run_pass(self, segments: list[_Segment]) -> None:
         c = segments[0].req.header.chunk_bytes
+        # Slots start 256-byte aligned whatever the chunk size: nvCOMP refuses unaligned inputs
+        # (GDeflate wants 4 bytes; a checkpoint written with chunk_bytes=1025 failed to decode).
+        stride = -(-c // 256) * 256
         n = sum(seg.slots for seg in segments)
-        staging = POOL.acquire(n * c)
+        staging = POOL.acquire(n * stride)
         try:
             host = memoryview(staging.numpy())
             raw_sizes: list[int] = []
@@ -138,28 +141,30 @@ class GpuDecoder:
             for seg in segments:
                 h = seg.req.header
                 first, last = seg.first * h.n_planes, seg.last * h.n_planes
-                views = [host[(k + j) * c : (k + j) * c + h.chunks[i][0]] for j, i in enumerate(range(first, last))]
+                views = [host[(k + j) * stride : (k + j) * stride + h.chunks[i][0]]
+                         for j, i in enumerate(range(first, last))]
                 seg.req.read_chunks(first, seg.offsets, views)
                 k += last - first
-            _check_crcs(staging.numpy(), c, segments)
-            up = torch.empty((n, c), dtype=torch.uint8, device=self.device)
-            up.view(-1).copy_(staging[: n * c], non_blocking=True)
+            _check_crcs(staging.numpy(), stride, segments)
+            up = torch.empty((n, stride), dtype=torch.uint8, device=self.device)
+            up.view(-1).copy_(staging[: n * stride], non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(self.stream)
-            dec = self._decode_slots(up, groups, raw_slots, raw_sizes, segments)
+            dec = self._decode_slots(up, c, groups, raw_slots, raw_sizes, segments)
             base = 0
             for seg in segments:
-                _merge(dec[base : base + seg.slots], seg.req.header, seg.first, seg.last, seg.out)
+                _merge(dec[base : base + seg.slots, :c], seg.req.header, seg.first, seg.last, seg.out)
                 base += seg.slots
             copied.synchronize()  # the pinned staging buffer may be reused after this
         finally:
             POOL.release(staging)
 
-    def _decode_slots(self, up: torch.Tensor, groups: dict[tuple[str, str | None], list[int]], raw_slots: list[int],
-                      raw_sizes: list[int], segments: list[_Segment]) -> torch.Tensor:
+    def _decode_slots(self, up: torch.Tensor, c: int, groups: dict[tuple[str, str | None], list[int]],
+                      raw_slots: list[int], raw_sizes: list[int], segments: list[_Segment]) -> torch.Tensor:
+        """Decode the staged slots (rows of ``up``, chunk size ``c``) into rows of the same layout."""
         if not groups:
             return up
-        c = up.shape[1]
+        stride = up.shape[1]
         dec = torch.empty_like(up)
         if raw_slots:
             idx = torch.tensor(raw_slots, device=self.device)
@@ -174,9 +179,9 @@ class GpuDecoder:
                 k += 1
         for (name, data_type), ks in groups.items():
             codec, _cap = cache.get(name, data_type)
-            src = nv.as_arrays(up.view(-1), [k * c for k in ks], [comp_sizes[k] for k in ks],
+            src = nv.as_arrays(up.view(-1), [k * stride for k in ks], [comp_sizes[k] for k in ks],
                                cuda_stream=self.stream.cuda_stream)
-            dst = nv.as_arrays(dec.view(-1), [k * c for k in ks], [raw_sizes[k] for k in ks],
+            dst = nv.as_arrays(dec.view(-1), [k * stride for k in ks], [raw_sizes[k] for k in ks],
                                cuda_stream=self.stream.cuda_stream)
             try:
                 got = codec.decode(src, out=dst).buffer_sizes
@@ -226,7 +231,7 @@ def _merge(dec: torch.Tensor, header: ItemHeader, first: int, last: int, out: to
     full, tail = divmod(m, c)
     dst = out[start : start + m * p]
     if header.transform != TRANSFORM_BYTEPLANES:
-        dst.copy_(dec.reshape(-1)[:m])
+        dst.copy_(dec.reshape(-1)[:m])  # a copy when the slots are padded (dec is then a strided view)
         return
     if full:
         dst[: full * c * p].view(full, c, p).copy_(dec[: full * p].view(full, p, c).permute(0, 2, 1))
