@@ -25,6 +25,7 @@ import os
 from collections.abc import Sequence
 from concurrent.futures import Executor
 
+from nvdcp._native import load_function
 from nvdcp.codecs.base import Buffer, Codec
 from nvdcp.errors import CodecUnavailableError
 
@@ -70,19 +71,16 @@ def _library() -> ctypes.CDLL:
 @functools.cache
 def _guard() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """``nvdcp_gdeflate_decompress`` from the optional ``_gdeflate_guard`` library, or None."""
-    here = os.path.dirname(__file__)
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = os.path.join(here, "_gdeflate_guard" + suffix)
-        if os.path.exists(path):
-            fn = ctypes.CDLL(path).nvdcp_gdeflate_decompress
-            fn.argtypes = [
-                ctypes.c_void_p, _VOID_PP, _SIZE_P, ctypes.c_size_t, _VOID_PP, _SIZE_P, _SIZE_P,
-                ctypes.c_char_p, ctypes.c_size_t,
-            ]
-            fn.restype = ctypes.c_int
-            return fn
-    logger.debug("nvdcp.codecs._gdeflate_guard is not built: a malformed GDeflate stream aborts the process")
-    return None
+    fn = load_function(os.path.dirname(__file__), "_gdeflate_guard", "nvdcp_gdeflate_decompress")
+    if fn is None:
+        logger.debug("nvdcp.codecs._gdeflate_guard is not available: a malformed GDeflate stream aborts the process")
+        return None
+    fn.argtypes = [
+        ctypes.c_void_p, _VOID_PP, _SIZE_P, ctypes.c_size_t, _VOID_PP, _SIZE_P, _SIZE_P,
+        ctypes.c_char_p, ctypes.c_size_t,
+    ]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def guarded() -> bool:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import importlib.machinery
 import logging
 import os
 
 import crc32c
 import numpy as np
+
+from nvdcp._native import load_function
 
 logger = logging.getLogger(__name__)
 
@@ -25,20 +26,13 @@ _U32_P = ctypes.POINTER(ctypes.c_uint32)
 
 @functools.cache
 def _native() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    here = os.path.dirname(__file__)
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = os.path.join(here, "_crc32c_batch" + suffix)
-        if os.path.exists(path):
-            try:
-                fn = ctypes.CDLL(path).nvdcp_crc32c_ranges
-            except (OSError, AttributeError) as exc:  # e.g. built against another libstdc++, or stale
-                logger.warning("nvdcp: cannot load %s (%s); chunk checksums use the crc32c package", path, exc)
-                return None
-            fn.argtypes = [ctypes.c_void_p, _I64_P, _I64_P, ctypes.c_int64, _U32_P, ctypes.c_int]
-            fn.restype = ctypes.c_int
-            return fn
-    logger.debug("nvdcp.format._crc32c_batch is not built: chunk checksums use the crc32c package")
-    return None
+    fn = load_function(os.path.dirname(__file__), "_crc32c_batch", "nvdcp_crc32c_ranges")
+    if fn is None:
+        logger.debug("nvdcp.format._crc32c_batch is not available: chunk checksums use the crc32c package")
+        return None
+    fn.argtypes = [ctypes.c_void_p, _I64_P, _I64_P, ctypes.c_int64, _U32_P, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 @functools.cache
