@@ -1,8 +1,8 @@
 """async_save benchmark (issue 5): how long training is blocked, peak pinned host memory, time
 until the checkpoint is durable; nvdcp's stager against torch's DefaultStager.
 
-    python benchmarks/async_bench.py [--steps 400] [--saves 3] [--dir /tmp/nvdcp-async-bench] [--out DIR]
-    python benchmarks/async_bench.py --small          # tiny model on the CPU (smoke test)
+    python -m benchmarks.async_bench [--steps 400] [--saves 3] [--dir /tmp/nvdcp-async-bench] [--out DIR]
+    python -m benchmarks.async_bench --small          # tiny model on the CPU (smoke test)
 
 Workload: the GPU reference (benchmarks/workload.py ``train_state("cuda", GPTConfig.reference(),
 batch=32)``: 1.03 GB of fp32 params + AdamW moments, on the GPU). Each variant saves it
@@ -34,14 +34,11 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import nvdcp
 from benchmarks.common import dir_bytes, fresh_dir, markdown_table, write_results
@@ -336,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             row = run(variant, state, args.dir, saves)
             row["ratio"] = round(raw / row["bytes"], 4)
-        except Exception as exc:  # noqa: BLE001 - a failing variant is reported, not fatal
+        except Exception as exc:
             row = {"variant": variant.name, "error": repr(exc)[:300]}
         results["rows"].append(row)
         print(row, flush=True)

@@ -1,6 +1,6 @@
 """Codec benchmark (issue 7): ratio and GB/s of every codec this machine runs, per dtype.
 
-    python benchmarks/codec_bench.py [PATH_OR_URL] [--steps 20] [--d-model 256] [--layers 4] [--out DIR]
+    python -m benchmarks.codec_bench [PATH_OR_URL] [--steps 20] [--d-model 256] [--layers 4] [--out DIR]
 
 Without PATH: the CPU reference workload (tiny GPT + AdamW, fp32 state and a bf16 copy); with
 PATH: every tensor of that checkpoint. Each tensor is encoded and decoded by the writer's item
@@ -13,13 +13,10 @@ measurement for users; this script records it for the repository.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from benchmarks.common import markdown_table, write_results
-from nvdcp.cli import bench
+from nvdcp import codec_bench as bench
 
 
 def main(argv: list[str] | None = None) -> Path:

@@ -64,9 +64,16 @@ def drop_page_cache() -> bool:
         return False
 
 
+def command_line() -> str:
+    """How this process was started: ``python3 -m benchmarks.X ARGS`` for a module run with -m."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    argv = ["-m", spec.name, *sys.argv[1:]] if spec is not None else sys.argv
+    return " ".join([Path(sys.executable).name, *argv])
+
+
 def write_results(name: str, payload: dict[str, Any], out_dir: str | os.PathLike[str] | None = None) -> Path:
     day = datetime.date.today().isoformat()
-    payload = {"date": day, "machine": machine(), "command": " ".join([Path(sys.executable).name, *sys.argv]), **payload}
+    payload = {"date": day, "machine": machine(), "command": command_line(), **payload}
     target = Path(out_dir or RESULTS) / f"{name}_{day}.json"
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(payload, indent=1, default=str) + "\n")

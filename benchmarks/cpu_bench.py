@@ -1,9 +1,9 @@
 """CPU benchmark (issue 2): nvdcp against stock DCP writers on the CPU reference workload.
 
-    python benchmarks/cpu_bench.py [--steps 30] [--threads 1] [--dir /tmp/nvdcp-cpu-bench]
+    python -m benchmarks.cpu_bench [--steps 30] [--threads 1] [--dir /tmp/nvdcp-cpu-bench]
 
-The workload is the byte-level GPT of BRIEF.md at CPU size (d=256, 4 layers) trained a few
-steps with AdamW: fp32 params + exp_avg + exp_avg_sq, and its bf16 variant. One run compares
+The workload is the byte-level GPT of nvdcp/demo/workload.py at CPU size (d=256, 4 layers)
+trained a few steps with AdamW: fp32 params + exp_avg + exp_avg_sq, and its bf16 variant. One run compares
 stock FileSystemWriter, FileSystemWriter + torch's ZStandard extension and nvdcp at the same
 thread_count: bytes, ratio, save time (fsync on) and load time. Writes
 benchmarks/results/cpu_bench_<date>.json and prints a markdown table.
@@ -13,20 +13,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import nvdcp  # noqa: E402
-from benchmarks.common import dir_bytes, fresh_dir, markdown_table, write_results  # noqa: E402
-from benchmarks.workload import states_equal, tensor_bytes, to_bf16, train_state, zeros_like_state  # noqa: E402
-from nvdcp.demo.model import GPTConfig  # noqa: E402
+import nvdcp
+from benchmarks.common import dir_bytes, fresh_dir, markdown_table, write_results
+from benchmarks.workload import states_equal, tensor_bytes, to_bf16, train_state, zeros_like_state
+from nvdcp.demo.model import GPTConfig
 
 
 def zstd_writer(path: str, threads: int) -> Any:

@@ -17,11 +17,11 @@ if [ "$tests_rc" != 0 ] && [ "${BENCH_IF_TESTS_FAIL:-0}" != 1 ]; then
   exit "$tests_rc"
 fi
 if [ "${RUN_ASYNC:-0}" = 1 ]; then
-  python3 benchmarks/async_bench.py --out "$OUT" 2>&1 | grep -v "UserWarning\|return func" | tail -30
+  python3 -m benchmarks.async_bench --out "$OUT" 2>&1 | grep -v "UserWarning\|return func" | tail -30
 fi
 if [ "${RUN_PROBE:-0}" = 1 ]; then
-  python3 benchmarks/gpu_phase_probe.py 2>&1 | grep -v "Warn\|detach\|float(loss)"
+  python3 -m benchmarks.gpu_phase_probe 2>&1 | grep -v "Warn\|detach\|float(loss)"
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
-  python3 benchmarks/gpu_bench.py --out "$OUT" "$@" 2>&1 | tail -60
+  python3 -m benchmarks.gpu_bench --out "$OUT" "$@" 2>&1 | tail -60
 fi

@@ -1,6 +1,6 @@
 """GPU benchmark (issue 3): nvdcp against stock DCP writers on the reference workload, tensors on the GPU.
 
-    python benchmarks/gpu_bench.py [--steps 400] [--dir /tmp/nvdcp-bench] [--out DIR]
+    python -m benchmarks.gpu_bench [--steps 400] [--dir /tmp/nvdcp-bench] [--out DIR]
 
 For the fp32 AdamW state and its bf16 variant, one run each of: stock FileSystemWriter
 (thread_count 1 and 4), FileSystemWriter + torch's ZStandard extension, a naive per-tensor nvCOMP
@@ -14,16 +14,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import nvdcp
 from benchmarks.common import dir_bytes, drop_page_cache, fresh_dir, markdown_table, write_results
@@ -206,7 +202,7 @@ def main() -> None:
         for name, save_fn, load_fn in variants:
             try:
                 row = run_variant(name, st, args.dir, save_fn, load_fn)
-            except Exception as exc:  # noqa: BLE001 - a failing peer is reported, not fatal
+            except Exception as exc:
                 row = {"writer": name, "error": repr(exc)[:300]}
             row["ratio"] = round(raw / row["bytes"], 4) if row.get("bytes") else None
             rows.append(row)

@@ -1,18 +1,14 @@
 """Wall time of each host step of the GPU encoder's writer path, per bucket (a diagnostic).
 
-    python benchmarks/gpu_phase_probe.py [--steps 40]
+    python -m benchmarks.gpu_phase_probe [--steps 40]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu_bench import encoder_jobs
 from benchmarks.workload import train_state

@@ -1,7 +1,7 @@
 """Probe nvCOMP's Python batch API on the GPU: RAW chunk encode/decode through carved buffers,
 ratios and speeds per codec on weight-like planes, and CPU<->GPU bitstream interop.
 
-    python benchmarks/gpu_probe.py --out results.json
+    python -m benchmarks.gpu_probe --out results.json
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import json
 import time
 
 import numpy as np
-import torch
 import nvidia.nvcomp as nv
+import torch
 
 from nvdcp.codecs import cpu_codec
 
@@ -136,7 +136,7 @@ def main() -> None:
                              ("Deflate", {"algorithm_type": 0})]:
                 try:
                     r = bench_codec(name, kw, top, stream)
-                except Exception as exc:  # noqa: BLE001 - probing
+                except Exception as exc:
                     r = {"codec": name, "opts": kw, "error": repr(exc)}
                 r["data"] = dname + ":top_plane"
                 rows.append(r)
@@ -146,7 +146,7 @@ def main() -> None:
                              ("Bitcomp", {"data_type": "<f2" if x.dtype == torch.bfloat16 else "<f4"})]:
                 try:
                     r = bench_codec(name, kw, whole, stream)
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     r = {"codec": name, "opts": kw, "error": repr(exc)}
                 r["data"] = dname + ":whole"
                 rows.append(r)
@@ -154,7 +154,7 @@ def main() -> None:
     results["rows"] = rows
     try:
         results["interop"] = interop(stream)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         results["interop"] = {"error": repr(exc)}
     print(json.dumps(results["interop"]))
     with open(args.out, "w") as f:

@@ -1,7 +1,7 @@
 """Where the GPU codec stage spends its time: torch.profiler (CUDA kernels and host ops) and
 cProfile (Python) of one encode and one decode of the reference fp32 state.
 
-    python benchmarks/gpu_profile.py [--steps 40] [--out DIR]
+    python -m benchmarks.gpu_profile [--steps 40] [--out DIR]
 
 Prints the tables and writes benchmarks/results/gpu_profile_<date>.json (wall times per phase,
 the top kernels by CUDA time). A diagnostic for optimising `nvdcp.gpu`, not a pass/fail check.
@@ -15,13 +15,10 @@ import io
 import pstats
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import write_results
 from benchmarks.gpu_bench import encoder_jobs

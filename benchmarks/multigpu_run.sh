@@ -30,4 +30,4 @@ run "$half" -m nvdcp.demo.train --ckpt-root /tmp/mg_$NGPU --steps $((STEPS + 10)
 echo "== async_save on $NGPU GPU(s)"
 run "$NGPU" -m nvdcp.demo.train --ckpt-root /tmp/mg_async --steps "$STEPS" --save-every 10 $MODEL --async-save \
     --digest-log "$OUT/mg_async.jsonl"
-python3 benchmarks/multigpu_summary.py "$OUT" | tee "$OUT/multigpu_summary.txt"
+python3 -m benchmarks.multigpu_summary "$OUT" | tee "$OUT/multigpu_summary.txt"

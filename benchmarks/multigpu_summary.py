@@ -1,17 +1,14 @@
 """Summarize benchmarks/multigpu_run.sh: save/load times by GPU count, resharded resume check.
 
-    python benchmarks/multigpu_summary.py OUT_DIR [--device "2x NVIDIA H200 (nvidia-h200-x2)"] [--write DIR]
+    python -m benchmarks.multigpu_summary OUT_DIR [--device "2x NVIDIA H200 (nvidia-h200-x2)"] [--write DIR]
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import markdown_table, write_results  # noqa: E402
+from benchmarks.common import markdown_table, write_results
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Reliability sweep (issue 6): the heavy versions of tests/reliability, with figures.
 
-    python benchmarks/reliability_sweep.py [--workers 2] [--fuzz-examples 2000] [--tiny] [--out DIR]
+    python -m benchmarks.reliability_sweep [--workers 2] [--fuzz-examples 2000] [--tiny] [--out DIR]
 
 Sections (``--only crash,corruption,...`` runs a subset):
 
@@ -12,7 +12,7 @@ Sections (``--only crash,corruption,...`` runs a subset):
 - corruption: every byte of every data file of a small checkpoint per codec flipped (a random
   non-zero xor), every record boundary +-1 and random cuts as truncations, every byte of
   ``.metadata`` flipped; each loaded and verified.
-- fuzz: the hypothesis targets of tests/reliability/fuzz_targets.py with many more examples,
+- fuzz: the hypothesis targets of nvdcp/testing/fuzz_targets.py with many more examples,
   each in a worker with a capped address space.
 - gdeflate: mutated, random and truncated streams straight into the guarded CPU GDeflate decoder.
 - concurrency: processes and threads racing saves on one location, a reader loading meanwhile.
@@ -30,7 +30,6 @@ import os
 import random
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -39,19 +38,16 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import nvdcp
 from benchmarks.common import write_results
-from tests.conftest import random_tensor
-from tests.dcp.helpers import failure_of
-from tests.reliability import damage as D
-from tests.reliability import faults as F
-from tests.reliability import fuzz_targets as T
+from nvdcp.testing import damage as D
+from nvdcp.testing import failure_of, random_tensor
+from nvdcp.testing import faults as F
+from nvdcp.testing import fuzz_targets as T
 
 OLD, NEW, RETRY = 1, 2, 3
 COORDINATOR_ONLY = {"global_plan", "finish_start", "metadata_tmp", "after_commit", "during_cleanup"}

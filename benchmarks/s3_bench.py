@@ -1,6 +1,6 @@
 """S3 benchmark (issue 4): save and load of the CPU reference workload through an S3 endpoint.
 
-    python benchmarks/s3_bench.py [--size small|tiny] [--variants a,b] [--out DIR]
+    python -m benchmarks.s3_bench [--size small|tiny] [--variants a,b] [--out DIR]
 
 The workload is the byte-level GPT of benchmarks/workload.py trained a few AdamW steps on the CPU
 (``small``: d=256, 8 layers, fp32 params + exp_avg + exp_avg_sq, about 77 MB). The endpoint is a
@@ -30,10 +30,7 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 VARIANTS = ("nvdcp-boto3", "nvdcp-fsspec", "torch-fsspec", "s3torchconnector")
 SIZES = {
@@ -224,7 +221,7 @@ def _importable(variant: str, env: dict[str, str]) -> str | None:
 def run_phase(variant: str, phase: str, url: str, endpoint: str, state_path: str, env: dict[str, str],
               counter: RequestCounter, timeout: float) -> dict[str, Any]:
     counter.reset()
-    cmd = [sys.executable, __file__, "--worker", phase, "--variant", variant, "--url", url,
+    cmd = [sys.executable, "-m", "benchmarks.s3_bench", "--worker", phase, "--variant", variant, "--url", url,
            "--endpoint", endpoint, "--state", state_path]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     row: dict[str, Any] = {"variant": variant, "phase": phase, **counter.snapshot()}

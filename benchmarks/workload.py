@@ -1,7 +1,7 @@
-"""The reference workload (BRIEF.md): a byte-level GPT trained with AdamW on the Python stdlib.
+"""Helpers around the reference workload for the benchmarks.
 
-GPU: d=768, 12 layers, 85.6 M parameters, 400 steps of 32x512 under bf16 autocast (1.03 GB of
-fp32 params + exp_avg + exp_avg_sq). CPU: d=256, 4 layers, a few dozen steps.
+The workload itself (the demo's byte-level GPT trained with AdamW on the Python stdlib) is
+:func:`nvdcp.demo.workload.train_state`, shared with ``nvdcp bench``; it is re-exported here.
 """
 
 from __future__ import annotations
@@ -10,28 +10,9 @@ from typing import Any
 
 import torch
 
-from nvdcp.demo.model import GPT, GPTConfig, batch_for_step, lr_at, stdlib_bytes
+from nvdcp.demo.workload import train_state
 
-
-def train_state(device: str, *, cfg: GPTConfig, steps: int, batch: int, seed: int = 0) -> tuple[dict[str, Any], float]:
-    """Train and return ``({"model": ..., "optim": ...}, final loss)`` with tensors on ``device``."""
-    torch.manual_seed(seed)
-    model = GPT(cfg).to(device)
-    fused = device.startswith("cuda")
-    optim = torch.optim.AdamW(model.parameters(), lr=6e-4, weight_decay=0.1, fused=fused)
-    data = stdlib_bytes(32 << 20)
-    loss = torch.tensor(0.0)
-    for step in range(steps):
-        x, y = batch_for_step(data, step, 0, 1, batch, cfg.context, seed)
-        x, y = x.to(device), y.to(device)
-        for g in optim.param_groups:
-            g["lr"] = lr_at(step, total=steps)
-        with torch.autocast(device_type="cuda" if fused else "cpu", dtype=torch.bfloat16, enabled=fused):
-            loss = model(x, y)
-        loss.backward()
-        optim.step()
-        optim.zero_grad(set_to_none=True)
-    return {"model": model.state_dict(), "optim": optim.state_dict()}, float(loss)
+__all__ = ["states_equal", "tensor_bytes", "to_bf16", "train_state", "zeros_like_state"]
 
 
 def to_bf16(state: dict[str, Any]) -> dict[str, Any]:

@@ -23,10 +23,30 @@ from nvdcp.errors import (
     MissingDataFileError,
     NotACheckpointDirectoryError,
     NvdcpError,
+    StagingError,
     StorageError,
     TruncatedCheckpointError,
     UnknownCodecError,
 )
+
+
+def release_resources() -> None:
+    """Free what nvdcp keeps per process between saves and loads.
+
+    Writers and readers made per save share, per settings, an item encoder (CPU codec threads,
+    GPU encoders, pinned buffers), an async stager (its host buffers, pinned when CUDA is
+    present) and the readers' pinned staging pool. This closes all of them (waiting for an
+    async save still holding staged buffers); the next save or load builds them again. Objects
+    you pass yourself (``NvcompWriter(stager=..., encoder=...)``) are yours to close.
+    """
+    from nvdcp.dcp.stager import close_shared_stagers
+    from nvdcp.gpu.pinned import close_shared_pools
+    from nvdcp.pipeline.encoder import close_shared_encoders
+
+    close_shared_stagers()
+    close_shared_encoders()
+    close_shared_pools()
+
 
 __all__ = [
     "NvcompWriter",
@@ -41,10 +61,12 @@ __all__ = [
     "IncompleteCheckpointError",
     "MissingDataFileError",
     "NotACheckpointDirectoryError",
+    "StagingError",
     "StorageError",
     "TruncatedCheckpointError",
     "UnknownCodecError",
     "VerifyReport",
+    "release_resources",
     "verify_checkpoint",
     "__version__",
 ]

@@ -40,6 +40,11 @@ class CodecUnavailableError(NvdcpError, RuntimeError):
     """The codec exists but cannot run on this machine (a GPU-only codec without a GPU, a missing library)."""
 
 
+class StagingError(NvdcpError, ValueError):
+    """A staged state dict (``dcp.async_save`` through :class:`~nvdcp.NvcompStager`) does not fit
+    what is being saved, or is used in a way staging does not support."""
+
+
 class StorageError(NvdcpError, OSError):
     """An I/O failure of the storage backend (disk full, permission denied, network failure)."""
 

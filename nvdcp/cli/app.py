@@ -116,7 +116,7 @@ def inspect(path: str, as_json: bool, shards: bool, threads: int, options: tuple
 
     Reads .metadata and the headers of the items only, never their data. Exits 1 when an item
     header is unreadable (run `nvdcp verify` for the full check)."""
-    from nvdcp.cli.inspection import inspect_checkpoint
+    from nvdcp.inspection import inspect_checkpoint
 
     result = inspect_checkpoint(path, storage_options=_storage_options(options), threads=threads)
     if as_json:
@@ -160,7 +160,7 @@ def _codec_cell(plane_codecs: list[str] | None, codec: str, transform: str | Non
 
 
 def _render_inspection(result: Any, shards: bool) -> None:
-    from nvdcp.cli.inspection import Item
+    from nvdcp.inspection import Item
 
     saved = result.saved_with()
     kind = {"nvdcp": "nvdcp", "stock": "stock DCP (torch.save)", "mixed": "mixed nvdcp + stock"}[result.format]
@@ -240,7 +240,7 @@ def verify(path: str, as_json: bool, checksums_only: bool, threads: int | None, 
            options: tuple[str, ...]) -> None:
     """Check every item: header, every chunk's CRC32C and (unless --checksums-only) a full decode
     compared with .metadata. Exits 0 when intact, 1 with the list of damaged items otherwise."""
-    from nvdcp.cli._metadata import load_any_metadata
+    from nvdcp.dcp.any_metadata import load_any_metadata
     from nvdcp.storage import open_storage
     from nvdcp.verify import verify_checkpoint
 
@@ -309,7 +309,7 @@ def convert(src: str, dst: str, to: str, codec: str, max_memory: int, threads: i
     nvdcp with another codec. Item by item within --max-memory; one stored chunk stays one
     stored chunk (the sharding is kept); the result loads bit-exactly, stock output with
     torch's FileSystemReader and no nvdcp installed."""
-    from nvdcp.cli.conversion import ConvertOptions, convert_checkpoint
+    from nvdcp.convert import ConvertOptions, convert_checkpoint
 
     if to == "stock" and codec != "auto":
         raise click.BadParameter("--codec applies to nvdcp output; --to stock writes uncompressed torch.save items",
@@ -361,7 +361,7 @@ def bench(path: str | None, codecs: tuple[str, ...], steps: int, d_model: int, l
           options: tuple[str, ...]) -> None:
     """Ratio and GB/s of every codec this machine runs, per dtype, on the CPU reference workload
     (a tiny GPT trained a few steps with AdamW) or on the checkpoint at PATH_OR_URL."""
-    from nvdcp.cli import bench as bench_mod
+    import nvdcp.codec_bench as bench_mod
 
     storage_options = _storage_options(options)
     if plot_path:
@@ -370,7 +370,7 @@ def bench(path: str | None, codecs: tuple[str, ...], steps: int, d_model: int, l
         except ImportError:
             raise Failure("--plot needs matplotlib: pip install 'nvdcp[cli]'") from None
     if path:
-        from nvdcp.cli._metadata import load_any_metadata
+        from nvdcp.dcp.any_metadata import load_any_metadata
         from nvdcp.storage import open_storage
 
         load_any_metadata(open_storage(path, **storage_options))  # fail fast on a wrong path
@@ -408,7 +408,7 @@ def bench(path: str | None, codecs: tuple[str, ...], steps: int, d_model: int, l
 
 
 def _render_bench(result: Any) -> None:
-    m = __import__("nvdcp.cli.bench", fromlist=["machine"]).machine()
+    m = __import__("nvdcp.codec_bench", fromlist=["machine"]).machine()
     src = result.source
     label = src.get("path") or f"{src['name']} ({src['steps']} steps, d={src['d_model']}, {src['layers']} layers)"
     out.print(f"[bold]codec bench[/] on {escape(label)}; {m.get('gpu') or str(m['cores']) + ' CPU cores'}")

@@ -5,15 +5,16 @@ self-contained bitstream and back. Chunks are independent so that a CPU thread p
 batched call can both work on many at once, and so a GPU-written chunk decodes on the CPU and the
 reverse, wherever the codec has both implementations.
 
-The numeric ``codec_id`` is what the container stores; it and the bitstream are frozen once
-released (golden files in ``tests/golden`` pin them).
+The numeric ``codec_id`` is what the container stores. An id names one frozen bitstream: a
+changed bitstream gets a new id, never a new meaning for an old one (golden files in
+``tests/golden`` pin them).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from concurrent.futures import Executor
+
+from nvdcp.errors import CodecUnavailableError
 
 Buffer = bytes | bytearray | memoryview
 
@@ -21,17 +22,29 @@ Buffer = bytes | bytearray | memoryview
 class Codec(ABC):
     """One compression algorithm with a stable id and bitstream.
 
-    Subclasses set ``name`` (user-facing, e.g. ``"zstd"``), ``codec_id`` (stored, 0-255), and
-    ``version`` (bumped only if the bitstream ever changes; readers refuse newer versions).
+    The class attributes are the codec's identity; :mod:`nvdcp.codecs` builds its registry from
+    them. Every codec has a class, whether or not it has a CPU implementation.
     """
 
+    #: User-facing name, e.g. ``"zstd"``.
     name: str
+    #: The id the container stores (0-255). Frozen: a changed bitstream gets a new id.
     codec_id: int
-    version: int = 1
-    #: True when chunks can be decoded without a GPU.
+    #: True when chunks can be encoded and decoded without a GPU.
     cpu_decodable: bool = True
-    #: True when this machine can encode with it (without a GPU: has a CPU encoder).
-    cpu_encodable: bool = True
+    #: nvCOMP's name of the algorithm (``nvidia.nvcomp.Codec(algorithm=...)``); None when the
+    #: GPU path does not run nvCOMP for this codec (``none`` is a plain copy).
+    nvcomp_algorithm: str | None = None
+    #: True when nvCOMP gets a ``data_type`` from the element dtype (see ``nvcomp_data_types``).
+    typed: bool = False
+    #: Typed codecs: the float ``data_type``s nvCOMP uses for elements of that width
+    #: (``"<f2"``, ``"<f4"``, ``"<f8"``); everything else goes as ``"|u1"``.
+    nvcomp_data_types: tuple[str, ...] = ()
+
+    @classmethod
+    def check_available(cls) -> None:
+        """Raise :class:`~nvdcp.errors.CodecUnavailableError` when this machine cannot run the
+        CPU implementation (no implementation, or its library is missing)."""
 
     @abstractmethod
     def encode(self, chunk: Buffer) -> bytes:
@@ -46,14 +59,27 @@ class Codec(ABC):
         the file, item and chunk.
         """
 
-    def encode_batch(self, chunks: Sequence[Buffer], pool: Executor | None = None) -> list[bytes]:
-        """Compress many chunks; the default fans single-chunk calls out over ``pool``.
-
-        Codecs whose library has a native batched call override this.
-        """
-        if pool is None or len(chunks) < 4:
-            return [self.encode(c) for c in chunks]
-        return list(pool.map(self.encode, chunks))
-
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(name={self.name!r}, id={self.codec_id}, v{self.version})"
+        return f"{type(self).__name__}(name={self.name!r}, id={self.codec_id})"
+
+
+class GpuOnlyCodec(Codec):
+    """A codec whose only implementation is nvCOMP's GPU library: no CPU encoder or decoder."""
+
+    cpu_decodable = False
+
+    @classmethod
+    def _unavailable(cls) -> CodecUnavailableError:
+        return CodecUnavailableError(
+            f"codec {cls.name!r} has no CPU implementation; it needs an NVIDIA GPU with nvCOMP"
+        )
+
+    @classmethod
+    def check_available(cls) -> None:
+        raise cls._unavailable()
+
+    def encode(self, chunk: Buffer) -> bytes:
+        raise self._unavailable()
+
+    def decode(self, data: Buffer, out: memoryview) -> None:
+        raise self._unavailable()

@@ -22,8 +22,6 @@ import importlib.machinery
 import importlib.util
 import logging
 import os
-from collections.abc import Sequence
-from concurrent.futures import Executor
 
 from nvdcp._native import load_function
 from nvdcp.codecs.base import Buffer, Codec
@@ -104,11 +102,16 @@ def _address(buf: Buffer) -> tuple[int, object]:
 class GDeflateCodec(Codec):
     name = "gdeflate"
     codec_id = 2
+    nvcomp_algorithm = "GDeflate"
 
     def __init__(self, level: int = DEFAULT_CPU_LEVEL) -> None:
         if not 0 <= level <= 12:
             raise ValueError(f"gdeflate CPU level must be 0-12, got {level}")
         self.level = level
+
+    @classmethod
+    def check_available(cls) -> None:
+        _library()  # fail here, with the install hint, rather than on the first chunk
 
     @staticmethod
     def available() -> bool:
@@ -169,6 +172,3 @@ class GDeflateCodec(Codec):
         del keep, dst
         if actual[0] != n:
             raise ValueError(f"gdeflate stream decodes to {actual[0]} bytes, expected {n}")
-
-    def encode_batch(self, chunks: Sequence[Buffer], pool: Executor | None = None) -> list[bytes]:
-        return super().encode_batch(chunks, pool)

@@ -8,6 +8,7 @@ from nvdcp.codecs.base import Buffer, Codec
 class NoneCodec(Codec):
     name = "none"
     codec_id = 0
+    # nvcomp_algorithm stays None: the GPU path copies raw chunks itself.
 
     def encode(self, chunk: Buffer) -> bytes:
         return bytes(chunk)

@@ -22,6 +22,7 @@ DEFAULT_LEVEL = 1
 class ZstdCodec(Codec):
     name = "zstd"
     codec_id = 1
+    nvcomp_algorithm = "Zstd"
 
     def __init__(self, level: int = DEFAULT_LEVEL) -> None:
         self.level = level

@@ -35,7 +35,6 @@ from torch.futures import Future
 
 from nvdcp.dcp import descriptor
 from nvdcp.dcp.metadata_io import load_metadata
-from nvdcp.dcp.writer import METADATA_NAME
 from nvdcp.errors import CorruptCheckpointError, TruncatedCheckpointError
 from nvdcp.format.dtypes import code_dtype
 from nvdcp.format.header import (
@@ -52,6 +51,16 @@ from nvdcp.report import Report
 from nvdcp.storage import Storage, open_storage
 
 logger = logging.getLogger(__name__)
+
+#: Default ``thread_count``: items fetched and decoded at once, at most this many (and the cores).
+DEFAULT_MAX_THREADS = 8
+#: The GPU path first reads this much of a record, which holds the header of any item up to
+#: ~500 MiB at 64 KiB chunks; a larger header costs one more read.
+HEADER_PREFIX_BYTES = 1 << 16
+#: Items decoded in one GPU batch, at most (a batch is also bounded by half a thread's scratch).
+MAX_GPU_BATCH_ITEMS = 4096
+#: Reads in flight per I/O thread: enough to overlap fetching with decoding, bounded memory.
+READ_WINDOW_PER_THREAD = 2
 
 
 def narrow(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
@@ -91,7 +100,7 @@ class NvcompReader(StorageReader):
     ) -> None:
         super().__init__()
         cores = os.cpu_count() or 1
-        self.thread_count = thread_count or min(8, cores)
+        self.thread_count = thread_count or min(DEFAULT_MAX_THREADS, cores)
         if self.thread_count < 1:
             raise ValueError(f"thread_count must be >= 1, got {thread_count}")
         self.codec_threads = codec_threads or cores
@@ -212,6 +221,7 @@ class NvcompReader(StorageReader):
 
     def _gpu_decoder(self, device: torch.device) -> Any:
         from nvdcp.gpu.decoder import GpuDecoder
+        from nvdcp.gpu.pinned import shared_pool
 
         cache = self._decoders.__dict__.setdefault("by_device", {})
         if device not in cache:
@@ -219,6 +229,7 @@ class NvcompReader(StorageReader):
             cache[device] = GpuDecoder(
                 device, budget_bytes=budget, gdeflate_type=self.gpu.gdeflate_algorithm_type,
                 pinned_bytes=self.gpu.pinned_memory_bytes // self.thread_count,
+                pinned=shared_pool(self.gpu.pinned_memory_bytes),
             )
         return cache[device]
 
@@ -272,7 +283,7 @@ class NvcompReader(StorageReader):
     def _read_header(self, name: str, offset: int, length: int, where: str) -> ItemHeader:
         """Fetch and validate just an item's header (the GPU path reads chunks straight into staging)."""
         with _naming_item(where):
-            prefix = memoryview(self.storage.read_range(name, offset, min(length, 1 << 16)))
+            prefix = memoryview(self.storage.read_range(name, offset, min(length, HEADER_PREFIX_BYTES)))
         size = item_header_size(prefix, where)
         if size > length:
             raise CorruptCheckpointError(f"{where}: header of {size} bytes in a record of {length}")
@@ -309,7 +320,7 @@ class NvcompReader(StorageReader):
             limit = self.gpu.gpu_budget(device) // (2 * self.thread_count)
             size = self.record_of(index)[2]
             items, total = open_.get(device, ([], 0))
-            if items and (total + size > limit or len(items) >= 4096):
+            if items and (total + size > limit or len(items) >= MAX_GPU_BATCH_ITEMS):
                 batches.append((device, items))
                 items, total = [], 0
             open_[device] = ([*items, index], total + size)
@@ -347,7 +358,7 @@ class NvcompReader(StorageReader):
                 tasks.append(functools.partial(self._load_cpu_task, index, report))
         for device, batch in self._gpu_batches([ix for ix in order if devices[ix] is not None], devices):
             tasks.append(functools.partial(self._load_gpu_batch, batch, device, report))
-        window = 2 * self.thread_count
+        window = READ_WINDOW_PER_THREAD * self.thread_count
         with ThreadPoolExecutor(self.thread_count, thread_name_prefix="nvdcp-read") as io_pool:
             pending: list[PyFuture[list[tuple[MetadataIndex, ItemHeader, Any]]]] = []
             try:

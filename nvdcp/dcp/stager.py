@@ -34,7 +34,6 @@ import copy
 import dataclasses
 import gc
 import logging
-import os
 import threading
 import time
 import weakref
@@ -47,13 +46,14 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem
 
-from nvdcp.codecs import GPU_ONLY
+from nvdcp.errors import StagingError
 from nvdcp.format.dtypes import dtype_code
-from nvdcp.format.header import DEFAULT_CHUNK_BYTES, KIND_TENSOR, ItemHeader
+from nvdcp.format.header import DEFAULT_CHUNK_BYTES, ItemHeader
 from nvdcp.gpu import gpu_available
 from nvdcp.gpu.config import GpuConfig
-from nvdcp.pipeline.cpu import EncodedItem, encode_item
-from nvdcp.pipeline.policy import GPU_AUTO_CODEC, choose_layout, validate_codec_choice
+from nvdcp.pipeline.config import EncodeConfig
+from nvdcp.pipeline.cpu import EncodedItem
+from nvdcp.pipeline.encoder import ItemEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ class StagedShard:
     def host_tensor(self) -> torch.Tensor:
         """The host copy of a shard staged without compression."""
         if self.tensor is None:
-            raise ValueError("this staged shard holds an encoded record, not a host copy")
+            raise StagingError("this staged shard holds an encoded record, not a host copy")
         return self.tensor
 
     @property
@@ -261,7 +261,10 @@ class StagedTensor(torch.Tensor):
         try:
             return self._nvdcp_shards[key]
         except KeyError:
-            raise ValueError(f"{index.fqn!r}: no staged shard at offset {key}") from None
+            raise StagingError(
+                f"{index.fqn!r}: no staged shard at offset {key}; the plan being saved is not the one "
+                "this state dict was staged for"
+            ) from None
 
     @property
     def staged_shards(self) -> list[StagedShard]:
@@ -352,16 +355,12 @@ class NvcompStager:
     ) -> None:
         if cpu_mode not in CPU_MODES:
             raise ValueError(f"cpu_mode must be one of {CPU_MODES}, got {cpu_mode!r}")
-        if not 1024 <= chunk_bytes <= (1 << 16):
-            raise ValueError(f"chunk_bytes must be within 1 KiB..64 KiB, got {chunk_bytes}")
         if buffer_bytes < 0:
             raise ValueError(f"buffer_bytes must be >= 0, got {buffer_bytes}")
-        self.codec = validate_codec_choice(codec)
-        self.chunk_bytes = chunk_bytes
+        self.encoding = EncodeConfig(codec, chunk_bytes, codec_threads)
         self.gpu = gpu or GpuConfig()
         self.cpu_mode = cpu_mode
         self.buffer_bytes = buffer_bytes
-        self.codec_threads = codec_threads or os.cpu_count() or 1
         self.wait_timeout_s = wait_timeout_s
         self.last_stats: StageStats | None = None
         self._init_runtime()
@@ -375,14 +374,22 @@ class NvcompStager:
         self._idle.set()
         self._generation = 0
         self._buffers: HostBuffers | None = None
-        self._pool: ThreadPoolExecutor | None = None
         self._finish_pool: ThreadPoolExecutor | None = None
         self._finishing: Future[None] | None = None
-        self._encoders: dict[torch.device, Any] = {}
+        #: Compresses what is staged (CPU threads, GPU encoders); closed with the stager.
+        self.encoder = ItemEncoder(self.encoding, self.gpu)
         self._gpu_ok = False
 
+    @property
+    def codec(self) -> str:
+        return self.encoding.codec
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.encoding.chunk_bytes
+
     def __getstate__(self) -> dict[str, Any]:
-        keep = ("codec", "chunk_bytes", "gpu", "cpu_mode", "buffer_bytes", "codec_threads", "wait_timeout_s")
+        keep = ("encoding", "gpu", "cpu_mode", "buffer_bytes", "wait_timeout_s")
         return {k: self.__dict__[k] for k in keep} | {"last_stats": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -405,11 +412,10 @@ class NvcompStager:
             if self._buffers is not None:
                 self._buffers.close()
             self._buffers = None
-            self._encoders.clear()
-        for pool in (self._finish_pool, self._pool):
-            if pool is not None:
-                pool.shutdown(wait=True)
-        self._finish_pool = self._pool = None
+        if self._finish_pool is not None:
+            self._finish_pool.shutdown(wait=True)
+        self._finish_pool = None
+        self.encoder.close()
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Return a staged copy of ``state_dict`` that later training steps cannot change.
@@ -495,11 +501,6 @@ class NvcompStager:
                 self._buffers.reset()  # temporary memory goes now; kept segments stay for reuse
             self._idle.set()
 
-    def _codec_pool(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.codec_threads, thread_name_prefix="nvdcp-stage")
-        return self._pool
-
     # -- the walk: same structure, tensors become StagedTensors --------------------------------
     def _walk(self, obj: Any, path: tuple[Any, ...], lease: _Lease, gpu_jobs: list[Any],
               copies: list[tuple[torch.Tensor, torch.Tensor]], stats: StageStats) -> Any:
@@ -527,7 +528,7 @@ class NvcompStager:
         for item in items:
             data = find_tensor_shard(obj, item.index).detach()
             try:
-                code = dtype_code(data.dtype)
+                dtype_code(data.dtype)  # refuse a dtype the format cannot store, naming the entry
             except ValueError as exc:
                 raise ValueError(f"state_dict entry {where!r}: {exc}") from None
             shard = StagedShard(lease=lease)
@@ -536,10 +537,10 @@ class NvcompStager:
             stats.shards += 1
             stats.raw_bytes += nbytes
             if data.is_cuda and self._gpu_ok:
-                gpu_jobs.append(self._gpu_job(shard, data, code))
+                gpu_jobs.append(self.encoder.gpu_job(shard, data, f"state_dict entry {where!r}"))
                 stats.gpu_shards += 1
-            elif self.cpu_mode == "compress" and not data.is_cuda and self.codec not in GPU_ONLY:
-                shard.encoded = self._keep(self._encode_on_cpu(data, code))
+            elif self.cpu_mode == "compress" and not data.is_cuda and not self.encoding.gpu_only:
+                shard.encoded = self._keep(self.encoder.encode_tensor(data, f"state_dict entry {where!r}"))
                 stats.compressed_shards += 1
                 stats.staged_bytes += shard.encoded.nbytes
             else:
@@ -583,46 +584,14 @@ class NvcompStager:
             pos += n
         return EncodedItem(encoded.header, encoded.header_bytes, views)
 
-    # -- CPU compression -------------------------------------------------------------------------
-    def _encode_on_cpu(self, data: torch.Tensor, code: int) -> EncodedItem:
-        from nvdcp.dcp.writer import tensor_to_host_bytes
-
-        raw = tensor_to_host_bytes(data)
-        return encode_item(
-            raw, kind=KIND_TENSOR, dtype_code=code, shape=tuple(data.shape),
-            element_size=data.element_size(), layout=choose_layout(data.dtype, self.codec),
-            pool=self._codec_pool(), chunk_bytes=self.chunk_bytes,
-        )
-
     # -- GPU compression -------------------------------------------------------------------------
-    def _gpu_job(self, shard: StagedShard, data: torch.Tensor, code: int) -> Any:
-        from nvdcp.gpu.encoder import GpuJob
-
-        t = data.resolve_conj().resolve_neg()
-        flat = (t.contiguous().reshape(-1).view(torch.uint8) if t.numel()
-                else torch.empty(0, dtype=torch.uint8, device=t.device))
-        layout = choose_layout(t.dtype, self.codec, auto_codec=GPU_AUTO_CODEC)
-        return GpuJob(shard, flat, layout, t.dtype, code, tuple(t.shape), KIND_TENSOR)
-
-    def _encoder(self, device: torch.device) -> Any:
-        from nvdcp.gpu.encoder import GpuEncoder
-
-        if device not in self._encoders:
-            self._encoders[device] = GpuEncoder(
-                device, chunk_bytes=self.chunk_bytes, budget_bytes=self.gpu.gpu_budget(device),
-                gdeflate_type=self.gpu.gdeflate_algorithm_type, pinned_bytes=self.gpu.pinned_memory_bytes,
-            )
-        return self._encoders[device]
-
     def _encode_on_gpu(self, jobs: list[Any], stats: StageStats) -> None:
-        from nvdcp.gpu.encoder import stage_on_devices
-
         assert self._buffers is not None
-        # When stage_on_devices() returns, every read of the tensors is over (training may go on)
+        # When stage_gpu_jobs() returns, every read of the tensors is over (training may go on)
         # and the stored chunks are in our host buffers; checksums and headers are host work on
         # bytes that no longer change, so they run in the background, before the writer needs them.
         before = self._buffers.used_bytes
-        items = stage_on_devices(jobs, self._encoder, self._buffers)
+        items = self.encoder.stage_gpu_jobs(jobs, self._buffers)
         stats.staged_bytes += self._buffers.used_bytes - before  # stored chunks, granule-padded
 
         def finish() -> None:
@@ -655,44 +624,58 @@ def _host_deepcopy(obj: Any) -> Any:
 
 
 # -- NvcompWriter as an AsyncStager ------------------------------------------------------------
-_SHARED: dict[tuple[Any, ...], NvcompStager] = {}
+_SHARED: dict[tuple[EncodeConfig, GpuConfig], NvcompStager] = {}
 _SHARED_LOCK = threading.Lock()
 
 
-def shared_stager(*, codec: str, chunk_bytes: int, gpu: GpuConfig, codec_threads: int | None = None) -> NvcompStager:
-    """The process-wide stager for these settings (writers made per save share its buffers)."""
-    key = (codec, chunk_bytes, gpu, codec_threads)
+def shared_stager(encoding: EncodeConfig, gpu: GpuConfig) -> NvcompStager:
+    """The process-wide stager for these settings: writers made per save share its buffers.
+
+    :func:`close_shared_stagers` (and :func:`nvdcp.release_resources`) frees them."""
+    key = (encoding, gpu)
     with _SHARED_LOCK:
         if key not in _SHARED:
-            _SHARED[key] = NvcompStager(codec=codec, chunk_bytes=chunk_bytes, gpu=gpu, codec_threads=codec_threads)
+            _SHARED[key] = NvcompStager(
+                codec=encoding.codec, chunk_bytes=encoding.chunk_bytes, gpu=gpu, codec_threads=encoding.codec_threads,
+            )
         return _SHARED[key]
+
+
+def close_shared_stagers() -> None:
+    """Close and forget every shared stager (each waits for its last save to release its buffers)."""
+    with _SHARED_LOCK:
+        stagers = list(_SHARED.values())
+        _SHARED.clear()
+    for stager in stagers:
+        stager.close()
 
 
 class WriterStagingMixin:
     """Makes :class:`~nvdcp.NvcompWriter` a DCP ``AsyncStager``: ``dcp.async_save(sd,
-    storage_writer=NvcompWriter(url))`` stages through the process-wide :func:`shared_stager`
-    for the writer's codec, chunk size and GPU settings (CPU fallback: host copies)."""
+    storage_writer=NvcompWriter(url))`` stages through the writer's ``stager`` or, when it has
+    none, the process-wide :func:`shared_stager` for its settings (CPU fallback: host copies)."""
 
     _synchronize_after_execute: bool = False
+    encoding: EncodeConfig
+    gpu: GpuConfig
+    stager: NvcompStager | None
 
     @property
     def should_synchronize_after_execute(self) -> bool:
         return False
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any] | Future[dict[str, Any]]:
-        return shared_stager(
-            codec=self.codec, chunk_bytes=self.chunk_bytes, gpu=self.gpu,  # type: ignore[attr-defined]
-            codec_threads=self.codec_threads,  # type: ignore[attr-defined]
-        ).stage(state_dict)
+        return (self.stager or shared_stager(self.encoding, self.gpu)).stage(state_dict)
 
     def synchronize_staging(self) -> None:
         """Nothing to do: staging is synchronous."""
 
     def close(self) -> None:
-        """Nothing to do: the shared stager outlives the writer."""
+        """Nothing to close here: a ``stager`` you passed is yours to close, and the process-wide
+        one is freed by :func:`nvdcp.release_resources`."""
 
 
 __all__ = [
     "HostBuffers", "NvcompStager", "StageStats", "StagedShard", "StagedTensor", "WriterStagingMixin",
-    "release_staged", "shared_stager",
+    "close_shared_stagers", "release_staged", "shared_stager",
 ]

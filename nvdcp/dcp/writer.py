@@ -15,42 +15,34 @@ commit, and cleanup that never deletes a live save's files (docs/RELIABILITY.md)
 from __future__ import annotations
 
 import dataclasses
-import io
 import logging
 import os
-import pickle
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from nvdcp.codecs import GPU_ONLY, codec_name
 from nvdcp.dcp import descriptor
-from nvdcp.dcp.save_guard import SaveGuard
-from nvdcp.dcp.stager import StagedShard, WriterStagingMixin, release_staged
-from nvdcp.errors import (
-    CheckpointExistsError,
-    CodecUnavailableError,
-)
-from nvdcp.format.dtypes import dtype_code
-from nvdcp.format.header import DEFAULT_CHUNK_BYTES, KIND_BYTES, KIND_TENSOR, pack_file_header
-from nvdcp.gpu import gpu_available
+from nvdcp.dcp.commit import CheckpointCommit, data_file_header
+from nvdcp.dcp.metadata_io import METADATA_NAME
+from nvdcp.dcp.stager import NvcompStager, StagedShard, WriterStagingMixin, release_staged
+from nvdcp.errors import CheckpointExistsError
+from nvdcp.format.header import DEFAULT_CHUNK_BYTES
 from nvdcp.gpu.config import GpuConfig
-from nvdcp.pipeline.cpu import EncodedItem, encode_item
-from nvdcp.pipeline.policy import GPU_AUTO_CODEC, choose_layout, validate_codec_choice
+from nvdcp.pipeline.config import EncodeConfig
+from nvdcp.pipeline.cpu import EncodedItem
+from nvdcp.pipeline.encoder import ItemEncoder, descriptor_codec, shared_encoder
+from nvdcp.pipeline.tensors import tensor_nbytes
 from nvdcp.report import Report
 from nvdcp.storage import Storage, open_storage
 
 logger = logging.getLogger(__name__)
-
-from nvdcp.dcp.metadata_io import METADATA_NAME
 
 DATA_SUFFIX = ".nvdcp"
 
@@ -65,10 +57,7 @@ class _FilePrefix:
 def _item_nbytes(item: WriteItem) -> int:
     if item.tensor_data is None:
         return 0
-    numel = 1
-    for s in item.tensor_data.size:
-        numel *= s
-    return numel * torch.empty((), dtype=item.tensor_data.properties.dtype).element_size()
+    return tensor_nbytes(item.tensor_data.size, item.tensor_data.properties.dtype)
 
 
 def split_into_files(items: list[WriteItem], files: int) -> list[list[WriteItem]]:
@@ -80,24 +69,6 @@ def split_into_files(items: list[WriteItem], files: int) -> list[list[WriteItem]
         buckets[i].append(item)
         sizes[i] += _item_nbytes(item) or 1
     return [b for b in buckets if b] or [[]]
-
-
-def tensor_to_host_bytes(tensor: torch.Tensor) -> np.ndarray:
-    """The tensor's elements as a flat uint8 array on the host, copying only the view's data."""
-    t = tensor.detach().resolve_conj().resolve_neg()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    if t.numel() == 0:
-        return np.empty(0, dtype=np.uint8)
-    return flat_bytes(t).numpy()
-
-
-def flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of ``t``'s elements in row-major order (copies only non-contiguous views)."""
-    flat = t.contiguous().reshape(-1)
-    if flat.stride(0) != 1:  # "contiguous" size-1 tensors may keep an odd stride
-        flat = flat.clone(memory_format=torch.contiguous_format)
-    return flat.view(torch.uint8)
 
 
 class NvcompWriter(WriterStagingMixin, StorageWriter):
@@ -117,6 +88,12 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
         gpu: bounds and choices of the GPU path (:class:`~nvdcp.gpu.config.GpuConfig`); tensors
             on a CUDA device are compressed there with nvCOMP when ``nvidia-nvcomp-cu12`` is
             installed, other tensors on the CPU.
+        stager: the :class:`~nvdcp.NvcompStager` that ``dcp.async_save`` stages through (you hold
+            it and close it); default: the process-wide stager for these settings.
+        encoder: the :class:`~nvdcp.pipeline.encoder.ItemEncoder` that compresses (you hold it
+            and close it); default: the process-wide encoder for these settings, so writers made
+            per save reuse GPU encoders and pinned buffers. :func:`nvdcp.release_resources`
+            frees the process-wide ones.
 
     It is also a DCP ``AsyncStager`` (:class:`~nvdcp.dcp.stager.WriterStagingMixin`):
     ``dcp.async_save`` stages through nvdcp's stager, and ``write_data`` writes the items that
@@ -124,6 +101,7 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
 
     Raises:
         UnknownCodecError: ``codec`` names no codec (a ``ValueError``).
+        ValueError: ``thread_count``, ``chunk_bytes`` or ``codec_threads`` out of range.
         NotACheckpointDirectoryError: ``path`` is an existing file.
     """
 
@@ -139,18 +117,19 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
         codec_threads: int | None = None,
         storage_options: dict[str, Any] | None = None,
         gpu: GpuConfig | None = None,
+        stager: NvcompStager | None = None,
+        encoder: ItemEncoder | None = None,
     ) -> None:
         super().__init__()
         if thread_count < 1:
             raise ValueError(f"thread_count must be >= 1, got {thread_count}")
-        if not 1024 <= chunk_bytes <= (1 << 16):
-            raise ValueError(f"chunk_bytes must be within 1 KiB..64 KiB, got {chunk_bytes}")
-        self.codec = validate_codec_choice(codec)
+        self.encoding = EncodeConfig(codec, chunk_bytes, codec_threads)
+        self.gpu = gpu or GpuConfig()
+        if encoder is not None and (encoder.config, encoder.gpu) != (self.encoding, self.gpu):
+            raise ValueError("encoder= was built with other settings than this writer's codec/chunk_bytes/gpu")
         self.thread_count = thread_count
         self.sync_files = sync_files
         self.overwrite = overwrite
-        self.chunk_bytes = chunk_bytes
-        self.codec_threads = codec_threads or os.cpu_count() or 1
         self.storage_options = dict(storage_options or {})
         self.path = os.fspath(path)
         self.storage: Storage = open_storage(self.path, sync=sync_files, **self.storage_options)
@@ -158,30 +137,38 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
         self.rank: int = 0
         self.is_coordinator = True
         self.use_collectives = True
-        self.gpu = gpu or GpuConfig()
+        self.stager = stager
         self.last_report: Report | None = None
-        self._pool: ThreadPoolExecutor | None = None
+        self._encoder = encoder
         self._caller_event: Any = None
-        self._guard: SaveGuard | None = None
+        self._commit: CheckpointCommit | None = None
+        self._staged: list[StagedShard] = []
+
+    @property
+    def codec(self) -> str:
+        return self.encoding.codec
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.encoding.chunk_bytes
+
+    @property
+    def encoder(self) -> ItemEncoder:
+        """What compresses this writer's items (see the ``encoder`` argument)."""
+        return self._encoder or shared_encoder(self.encoding, self.gpu)
 
     # -- pickling (async_save PROCESS mode): no threads or handles travel ----------------------
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_pool"] = None
         state["_caller_event"] = None
         state["last_report"] = None  # holds a lock; a writer reused after a save must still pickle
         return state
 
-    def _codec_pool(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.codec_threads, thread_name_prefix="nvdcp-codec")
-        return self._pool
-
     # -- StorageWriter -------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if self._guard is not None:
-            self._guard.abandon()  # a save that never reached finish() is over
-            self._guard = None
+        if self._commit is not None:
+            self._commit.abandon()  # a save that never reached finish() is over
+            self._commit = None
         if checkpoint_id:
             self.path = os.fspath(checkpoint_id)
             self.storage = open_storage(self.path, sync=self.sync_files, **self.storage_options)
@@ -206,8 +193,8 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         token = uuid.uuid4().hex[:12]
-        self._guard = SaveGuard(self.storage)
-        self._guard.mark(token)  # before any rank creates a data file of this save
+        self._commit = CheckpointCommit(self.storage)
+        self._commit.begin(token)  # before any rank creates a data file of this save
         return [
             dataclasses.replace(p, storage_data=_FilePrefix(f"__{i}_{token}_")) for i, p in enumerate(plans)
         ]
@@ -223,7 +210,7 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             self._caller_event = torch.cuda.Event()
             self._caller_event.record(torch.cuda.current_stream())
-        self._staged: list[StagedShard] = []
+        self._staged = []
         try:
             if len(buckets) == 1:
                 results = self._write_file(names[0], buckets[0], planner, report)
@@ -246,14 +233,10 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         storage_md = {wr.index: wr.storage_data for rank_results in results for wr in rank_results}
-        metadata.storage_data = storage_md
-        metadata.storage_meta = StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
-        blob = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
-        guard = self._guard or SaveGuard(self.storage)  # no marker without a global plan step
-        guard.check_data_files(storage_md)
-        self.storage.write_atomic(METADATA_NAME, blob)
-        guard.cleanup({info.relative_path for info in storage_md.values()}, blob)
-        self._guard = None
+        commit = self._commit or CheckpointCommit(self.storage)  # no marker without a global plan step
+        commit.commit(metadata, storage_md, self.path, self.save_id)
+        commit.cleanup({info.relative_path for info in storage_md.values()})
+        self._commit = None
         total = Report.from_metadata("save", self.storage.url, metadata)
         if self.last_report is not None:
             # whole-checkpoint bytes, this rank's phase times (the coordinator's view)
@@ -278,116 +261,53 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
         return supports_url(os.fspath(checkpoint_id))
 
     # -- internals -----------------------------------------------------------------------------
-    def _encode(self, item: WriteItem, data: torch.Tensor | io.BytesIO) -> EncodedItem:
-        pool = self._codec_pool()
-        if item.type == WriteItemType.BYTE_IO:
-            assert isinstance(data, io.BytesIO)
-            raw = np.frombuffer(data.getbuffer(), dtype=np.uint8)
-            layout = choose_layout(None, self.codec)
-            return encode_item(
-                raw, kind=KIND_BYTES, dtype_code=0, shape=(), element_size=1, layout=layout,
-                pool=pool, chunk_bytes=self.chunk_bytes,
-            )
-        assert isinstance(data, torch.Tensor)
-        try:
-            code = dtype_code(data.dtype)
-        except ValueError as exc:
-            raise ValueError(f"item {item.index.fqn}: {exc}") from None
-        if self.codec in GPU_ONLY and data.numel() == 0:
-            layout = choose_layout(data.dtype, "none")  # nothing to compress, nothing needs a GPU
-            return encode_item(
-                np.empty(0, dtype=np.uint8), kind=KIND_TENSOR, dtype_code=code, shape=tuple(data.shape),
-                element_size=data.element_size(), layout=layout, pool=pool, chunk_bytes=self.chunk_bytes,
-            )
-        if self.codec in GPU_ONLY:
-            raise CodecUnavailableError(
-                f"item {item.index.fqn}: codec {self.codec!r} compresses only on an NVIDIA GPU with "
-                "nvidia-nvcomp-cu12 installed; none is usable here"
-            )
-        raw = tensor_to_host_bytes(data)
-        layout = choose_layout(data.dtype, self.codec)
-        return encode_item(
-            raw, kind=KIND_TENSOR, dtype_code=code, shape=tuple(data.shape),
-            element_size=data.element_size(), layout=layout, pool=pool, chunk_bytes=self.chunk_bytes,
-        )
-
-    def _on_gpu(self, data: torch.Tensor) -> bool:
-        if not gpu_available():
-            return False
-        return data.is_cuda or (self.codec in GPU_ONLY and data.numel() > 0)
-
-    def _gpu_job(self, item: WriteItem, data: torch.Tensor) -> Any:
-        from nvdcp.gpu.encoder import GpuJob
-
-        t = data.detach().resolve_conj().resolve_neg()
-        if not t.is_cuda:
-            t = t.to(torch.device("cuda", torch.cuda.current_device()))
-        flat = flat_bytes(t) if t.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
-        layout = choose_layout(t.dtype, self.codec, auto_codec=GPU_AUTO_CODEC)
-        return GpuJob(item, flat, layout, t.dtype, dtype_code(t.dtype), tuple(t.shape))
-
-    def _write_gpu_items(self, jobs: list[Any], write: Any) -> None:
-        from nvdcp.gpu.encoder import GpuEncoder, encode_on_devices
-        from nvdcp.gpu.pinned import POOL
-
-        POOL.limit = self.gpu.pinned_memory_bytes
-
-        def encoder_for(device: torch.device) -> GpuEncoder:
-            return GpuEncoder(
-                device, chunk_bytes=self.chunk_bytes,
-                budget_bytes=self.gpu.gpu_budget(device) // self.thread_count,
-                gdeflate_type=self.gpu.gdeflate_algorithm_type,
-                pinned_bytes=self.gpu.pinned_memory_bytes // self.thread_count,
-            )
-
-        for job, encoded in encode_on_devices(jobs, encoder_for):
-            write(job.key, encoded)
-
     def _write_file(
         self, name: str, items: list[WriteItem], planner: SavePlanner, report: Report
     ) -> list[WriteResult]:
         stream = self.storage.create(name)
         results: list[WriteResult] = []
-        clock = [time.perf_counter()]
+        clock = time.perf_counter()
 
         def write(item: WriteItem, encoded: EncodedItem) -> None:
+            nonlocal clock
             t1 = time.perf_counter()
             offset = stream.tell()
             stream.write(encoded.header_bytes)
             stream.writelines(encoded.chunks)
             t2 = time.perf_counter()
-            report.add(encoded.header.raw_nbytes, encoded.nbytes, encode_s=t1 - clock[0], io_s=t2 - t1)
-            clock[0] = t2
+            report.add(encoded.header.raw_nbytes, encoded.nbytes, encode_s=t1 - clock, io_s=t2 - t1)
+            clock = t2
             results.append(
                 WriteResult(
                     index=item.index,
                     size_in_bytes=encoded.nbytes,
-                    storage_data=descriptor.storage_info(name, offset, encoded.nbytes, _main_codec(encoded)),
+                    storage_data=descriptor.storage_info(name, offset, encoded.nbytes, descriptor_codec(encoded)),
                 )
             )
 
-        try:
-            stream.write(pack_file_header(_writer_info(self.rank, self.save_id)))
-            gpu_jobs = []
-            if self._caller_event is not None:
-                torch.cuda.current_stream().wait_event(self._caller_event)
+        def resolved() -> Any:
+            """Items to encode; items the stager pre-encoded are written on the way."""
+            nonlocal clock
             for item in items:
                 data = planner.resolve_data(item)
                 if isinstance(data, StagedShard):  # from NvcompStager (dcp.async_save)
                     self._staged.append(data)
                     if data.encoded is not None:
-                        clock[0] = time.perf_counter()
+                        clock = time.perf_counter()
                         write(item, data.encoded)
                         continue
                     data = data.host_tensor
-                if isinstance(data, torch.Tensor) and self._on_gpu(data):
-                    gpu_jobs.append(self._gpu_job(item, data))
-                    continue
-                clock[0] = time.perf_counter()
-                write(item, self._encode(item, data))
-            if gpu_jobs:
-                clock[0] = time.perf_counter()
-                self._write_gpu_items(gpu_jobs, write)
+                yield item, data
+
+        try:
+            stream.write(data_file_header(self.rank, self.save_id))
+            if self._caller_event is not None:
+                torch.cuda.current_stream().wait_event(self._caller_event)
+            clock = time.perf_counter()
+            for item, encoded in self.encoder.encode_items(
+                resolved(), _describe_item, shares=self.thread_count,
+            ):
+                write(item, encoded)
             t0 = time.perf_counter()
             stream.commit()
             report.add(0, 0, io_s=time.perf_counter() - t0)
@@ -397,23 +317,8 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
         return results
 
 
-def _main_codec(encoded: EncodedItem) -> str:
-    ids = [c for c in encoded.header.plane_codecs if c != 0]
-    return codec_name(ids[0]) if ids else "none"
+def _describe_item(item: WriteItem) -> str:
+    return f"item {item.index.fqn}"
 
 
-def _writer_info(rank: int, save_id: str) -> dict[str, object]:
-    from nvdcp import __version__
-    from nvdcp.gpu_info import nvcomp_version
-
-    return {
-        "nvdcp": __version__,
-        "torch": torch.__version__,
-        "nvcomp": nvcomp_version(),
-        "rank": rank,
-        "save_id": save_id,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-
-
-__all__ = ["METADATA_NAME", "NvcompWriter", "split_into_files", "tensor_to_host_bytes"]
+__all__ = ["DATA_SUFFIX", "NvcompWriter", "split_into_files"]

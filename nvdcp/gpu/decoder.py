@@ -22,7 +22,12 @@ from nvdcp.errors import CorruptCheckpointError
 from nvdcp.format.crc import checksum_ranges
 from nvdcp.format.header import TRANSFORM_BYTEPLANES, ItemHeader
 from nvdcp.gpu.nvcomp_codecs import CodecCache, typed_data_type
-from nvdcp.gpu.pinned import POOL
+from nvdcp.gpu.pinned import PinnedPool
+
+#: Staging and decoded slots start at multiples of this many bytes: nvCOMP refuses unaligned inputs
+#: (GDeflate wants 4 bytes; a checkpoint written with chunk_bytes=1025 failed to decode), and 256
+#: keeps every codec's alignment wish.
+SLOT_ALIGN = 256
 
 
 @dataclass
@@ -68,8 +73,10 @@ class GpuDecoder:
     """Decodes container records into raw element bytes on one device (one per thread)."""
 
     def __init__(self, device: torch.device, *, budget_bytes: int, gdeflate_type: int = 0,
-                 pinned_bytes: int = 512 << 20) -> None:
+                 pinned_bytes: int = 512 << 20, pinned: PinnedPool | None = None) -> None:
         self.device = device
+        #: Pinned staging buffers (the reader passes a pool its decoders share).
+        self.pinned = pinned if pinned is not None else PinnedPool(pinned_bytes)
         # A pass holds staging + decoded slots on the device and its staging in pinned memory.
         self.budget = min(budget_bytes, 2 * pinned_bytes)
         self.gdeflate_type = gdeflate_type
@@ -92,7 +99,7 @@ class GpuDecoder:
                 outs.append(out)
                 offsets = np.zeros(len(h.chunks) + 1, dtype=np.int64)
                 np.cumsum([s for s, _ in h.chunks], out=offsets[1:])
-                slot_cost = 2 * (-(-h.chunk_bytes // 256) * 256)  # staging on the device + decoded slot
+                slot_cost = 2 * _slot_stride(h.chunk_bytes)  # staging on the device + decoded slot
                 per_pass = max(1, self.budget // (slot_cost * h.n_planes))
                 for first in range(0, h.n_blocks, per_pass):
                     last = min(h.n_blocks, first + per_pass)
@@ -111,11 +118,9 @@ class GpuDecoder:
 
     def _run_pass(self, segments: list[_Segment]) -> None:
         c = segments[0].req.header.chunk_bytes
-        # Slots start 256-byte aligned whatever the chunk size: nvCOMP refuses unaligned inputs
-        # (GDeflate wants 4 bytes; a checkpoint written with chunk_bytes=1025 failed to decode).
-        stride = -(-c // 256) * 256
+        stride = _slot_stride(c)
         n = sum(seg.slots for seg in segments)
-        staging = POOL.acquire(n * stride)
+        staging = self.pinned.acquire(n * stride)
         try:
             host = memoryview(staging.numpy())
             raw_sizes: list[int] = []
@@ -157,7 +162,7 @@ class GpuDecoder:
                 base += seg.slots
             copied.synchronize()  # the pinned staging buffer may be reused after this
         finally:
-            POOL.release(staging)
+            self.pinned.release(staging)
 
     def _decode_slots(self, up: torch.Tensor, c: int, groups: dict[tuple[str, str | None], list[int]],
                       raw_slots: list[int], raw_sizes: list[int], segments: list[_Segment]) -> torch.Tensor:
@@ -192,6 +197,11 @@ class GpuDecoder:
             if bad:
                 raise CorruptCheckpointError(f"{_owner(segments, bad[0])}: a {name} chunk decoded to the wrong size on the GPU")
         return dec
+
+
+def _slot_stride(chunk_bytes: int) -> int:
+    """Bytes between consecutive slots: the chunk size rounded up to :data:`SLOT_ALIGN`."""
+    return -(-chunk_bytes // SLOT_ALIGN) * SLOT_ALIGN
 
 
 def _check_crcs(staging: np.ndarray, c: int, segments: list[_Segment]) -> None:

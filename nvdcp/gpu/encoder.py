@@ -16,7 +16,7 @@ leaving checksums and headers to :meth:`GpuEncoder.items`, which the caller runs
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -27,7 +27,7 @@ from nvdcp.codecs import codec_id
 from nvdcp.format.crc import checksum_ranges
 from nvdcp.format.header import TRANSFORM_BYTEPLANES, ItemHeader
 from nvdcp.gpu.nvcomp_codecs import CodecCache, typed_data_type
-from nvdcp.gpu.pinned import POOL
+from nvdcp.gpu.pinned import PinnedPool
 from nvdcp.pipeline.cpu import EncodedItem
 from nvdcp.pipeline.policy import Layout
 
@@ -176,19 +176,20 @@ class _Launched:
 
 
 class _PooledSink:
-    """One pinned buffer from the process pool per bucket (the writer's path)."""
+    """One pinned buffer from the encoder's pool per bucket (the writer's path)."""
 
-    def __init__(self) -> None:
+    def __init__(self, pool: PinnedPool) -> None:
+        self.pool = pool
         self.held: list[torch.Tensor] = []
 
     def place(self, sizes: np.ndarray) -> list[tuple[torch.Tensor, int, int]]:
         total = int(sizes.sum())
-        self.held.append(POOL.acquire(max(total, 1)))
+        self.held.append(self.pool.acquire(max(total, 1)))
         return [(self.held[-1][:total], 0, len(sizes))]
 
     def release(self) -> None:
         for buf in self.held:
-            POOL.release(buf)
+            self.pool.release(buf)
         self.held.clear()
 
 
@@ -196,8 +197,10 @@ class GpuEncoder:
     """Encodes CUDA tensors into container records (one encoder per device and writer thread)."""
 
     def __init__(self, device: torch.device, *, chunk_bytes: int, budget_bytes: int,
-                 gdeflate_type: int, pinned_bytes: int = 512 << 20) -> None:
+                 gdeflate_type: int, pinned_bytes: int = 512 << 20, pinned: PinnedPool | None = None) -> None:
         self.device = device
+        #: Pinned buffers of :meth:`encode` (one bucket at a time); shared with the owner's other encoders.
+        self.pinned = pinned if pinned is not None else PinnedPool(pinned_bytes)
         self.chunk_bytes = chunk_bytes
         self.granule = granule_for(chunk_bytes)
         # Two buckets are in flight at once (one compressing, one being compacted and copied out).
@@ -379,7 +382,7 @@ class GpuEncoder:
         yielded chunks view a pooled pinned buffer that is reused once the next item is asked for.
         """
         partial: dict[int, list] = {}
-        sink = _PooledSink()
+        sink = _PooledSink(self.pinned)
         try:
             for hb in self._buckets(jobs, ready, sink):
                 hb.done.synchronize()
@@ -415,41 +418,17 @@ class GpuEncoder:
             yield from self._bucket_items(jobs, hb, partial, copy_partial=False)
 
 
-def _by_device(jobs: list[GpuJob]) -> dict[torch.device, list[GpuJob]]:
-    by_device: dict[torch.device, list[GpuJob]] = {}
+def by_device(jobs: list[GpuJob]) -> dict[torch.device, list[GpuJob]]:
+    """Jobs grouped by the device their tensors are on, in first-seen order."""
+    groups: dict[torch.device, list[GpuJob]] = {}
     for job in jobs:
-        by_device.setdefault(job.data.device, []).append(job)
-    return by_device
+        groups.setdefault(job.data.device, []).append(job)
+    return groups
 
 
-def _ready_event(device: torch.device) -> torch.cuda.Event:
+def ready_event(device: torch.device) -> torch.cuda.Event:
     """An event on the caller's current stream of ``device``: our streams wait on it, so
     compression reads tensors only after the work that produced them (e.g. the optimizer step)."""
     ready = torch.cuda.Event()
     ready.record(torch.cuda.current_stream(device))
     return ready
-
-
-def encode_on_devices(
-    jobs: list[GpuJob], encoder_for: Callable[[torch.device], GpuEncoder]
-) -> Iterator[tuple[GpuJob, EncodedItem]]:
-    """Encode ``jobs`` with one encoder per device, in device order."""
-    for device, device_jobs in _by_device(jobs).items():
-        yield from encoder_for(device).encode(device_jobs, _ready_event(device))
-
-
-def stage_on_devices(
-    jobs: list[GpuJob], encoder_for: Callable[[torch.device], GpuEncoder], sink: HostSink
-) -> Callable[[], Iterator[tuple[GpuJob, EncodedItem]]]:
-    """Stage ``jobs`` into ``sink``'s memory on every device (returns when all copies are done);
-    the returned function yields their records (checksums and headers, host work only)."""
-    staged = []
-    for device, device_jobs in _by_device(jobs).items():
-        encoder = encoder_for(device)
-        staged.append((encoder, device_jobs, encoder.stage(device_jobs, sink, _ready_event(device))))
-
-    def items() -> Iterator[tuple[GpuJob, EncodedItem]]:
-        for encoder, device_jobs, buckets in staged:
-            yield from encoder.items(device_jobs, buckets)
-
-    return items

@@ -6,22 +6,23 @@ from typing import Any
 
 import torch
 
-#: Our codec name -> nvCOMP algorithm. Zstd and GDeflate RAW chunks are the bitstreams the CPU
-#: codecs read and write (checked both ways on the H200: tests/gpu/test_gpu_interop.py).
-ALGORITHMS = {"zstd": "Zstd", "gdeflate": "GDeflate", "ans": "ANS", "bitcomp": "Bitcomp"}
+from nvdcp.codecs import codec_class
+
+# Each codec's nvCOMP algorithm, and whether it is typed, are attributes of its class in
+# nvdcp.codecs. Zstd and GDeflate RAW chunks are the bitstreams the CPU codecs read and write
+# (checked both ways on the H200: tests/gpu/test_gpu_path.py).
+
+#: nvCOMP float ``data_type`` for elements of each float dtype.
+_FLOAT_DATA_TYPES = {torch.float16: "<f2", torch.bfloat16: "<f2", torch.float32: "<f4", torch.float64: "<f8"}
 
 
 def typed_data_type(name: str, dtype: torch.dtype | None) -> str | None:
     """The nvCOMP ``data_type`` of the typed codecs for elements of ``dtype``."""
-    if name not in ("ans", "bitcomp"):
+    cls = codec_class(name)
+    if not cls.typed:
         return None
-    if dtype in (torch.float16, torch.bfloat16):
-        return "<f2"
-    if dtype == torch.float32:
-        return "<f4"
-    if name == "bitcomp" and dtype == torch.float64:
-        return "<f8"
-    return "|u1"
+    data_type = _FLOAT_DATA_TYPES.get(dtype) if dtype is not None else None
+    return data_type if data_type in cls.nvcomp_data_types else "|u1"
 
 
 def make_codec(name: str, data_type: str | None, device_index: int, stream: int,
@@ -31,6 +32,9 @@ def make_codec(name: str, data_type: str | None, device_index: int, stream: int,
     Callers cache these per stream (see :class:`CodecCache`); a codec bound to a stream must
     not be shared across threads.
     """
+    algorithm = codec_class(name).nvcomp_algorithm
+    if algorithm is None:
+        raise ValueError(f"codec {name!r} does not run through nvCOMP")
     import nvidia.nvcomp as nv
 
     options: dict[str, Any] = {}
@@ -39,7 +43,7 @@ def make_codec(name: str, data_type: str | None, device_index: int, stream: int,
     if data_type is not None:
         options["data_type"] = data_type
     return nv.Codec(
-        algorithm=ALGORITHMS[name], bitstream_kind=nv.BitstreamKind.RAW, uncomp_chunk_size=chunk_bytes,
+        algorithm=algorithm, bitstream_kind=nv.BitstreamKind.RAW, uncomp_chunk_size=chunk_bytes,
         device_id=device_index, cuda_stream=stream, **options,
     )
 

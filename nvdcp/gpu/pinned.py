@@ -1,4 +1,8 @@
-"""Pinned host buffers, allocated once per process and reused across saves and loads."""
+"""Pinned host buffers, reused across saves and loads by the object that owns the pool.
+
+Pinning is slow (page locking), so pools outlive single saves: an :class:`~nvdcp.pipeline.encoder.ItemEncoder`
+owns one, and readers share :func:`shared_pool` per limit. :func:`nvdcp.release_resources` frees them.
+"""
 
 from __future__ import annotations
 
@@ -51,6 +55,28 @@ class PinnedPool:
                 self.allocated -= b.numel()
             self._free.clear()
 
+    def close(self) -> None:
+        """Drop every free buffer; buffers still in use are freed when their holder lets go."""
+        self.trim()
 
-#: One pool per process: pinned allocations are slow (page locking), so saves share them.
-POOL = PinnedPool()
+
+_SHARED: dict[int, PinnedPool] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_pool(limit: int) -> PinnedPool:
+    """The process-wide pool of readers whose ``pinned_memory_bytes`` is ``limit`` (one per
+    limit: a reader never changes another's bound). Freed by :func:`nvdcp.release_resources`."""
+    with _SHARED_LOCK:
+        if limit not in _SHARED:
+            _SHARED[limit] = PinnedPool(limit)
+        return _SHARED[limit]
+
+
+def close_shared_pools() -> None:
+    """Trim and forget every shared pool."""
+    with _SHARED_LOCK:
+        pools = list(_SHARED.values())
+        _SHARED.clear()
+    for pool in pools:
+        pool.close()

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nvdcp.codecs import CODEC_TABLE, GPU_ONLY, codec_id, codec_name, cpu_codec
-from nvdcp.errors import CodecUnavailableError, CorruptCheckpointError
+from nvdcp.codecs import GPU_ONLY, codec_class, codec_id, codec_name, cpu_codec
+from nvdcp.errors import CodecUnavailableError, CorruptCheckpointError, UnknownCodecError
 from nvdcp.format.crc import checksum_ranges
 from nvdcp.format.header import (
     DEFAULT_CHUNK_BYTES,
@@ -160,12 +160,13 @@ def decode_item(
     """
     header = parse_item_header(record, where)
     for cid in set(header.plane_codecs):
-        if cid not in CODEC_TABLE:
-            raise CorruptCheckpointError(f"{where}: unknown codec id {cid}")
-        name, _, cpu_ok = CODEC_TABLE[cid]
-        if not cpu_ok:
+        try:
+            cls = codec_class(cid)
+        except UnknownCodecError:
+            raise CorruptCheckpointError(f"{where}: unknown codec id {cid}") from None
+        if not cls.cpu_decodable:
             raise CodecUnavailableError(
-                f"{where}: stored with codec {name!r}, which has no CPU decoder; load it on a "
+                f"{where}: stored with codec {cls.name!r}, which has no CPU decoder; load it on a "
                 "machine with an NVIDIA GPU (or convert it there with another codec)"
             )
     n_planes = len(header.plane_codecs)

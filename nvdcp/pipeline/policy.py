@@ -13,7 +13,7 @@ from nvdcp.transform.byteplanes import compressible_planes
 
 #: What ``codec="auto"`` means on the CPU path: zstd frames decode everywhere (the CPU here, and
 #: nvCOMP on a GPU) and zstd level 1 was the fastest codec that met the ratio targets on the
-#: CPU reference workload (benchmarks/codec_levels.py).
+#: CPU reference workload (the CPU rows of benchmarks/results/codec_bench_2026-11-29_h200.json).
 CPU_AUTO_CODEC = "zstd"
 #: What ``codec="auto"`` means for tensors on a GPU: GDeflate (algorithm type 0) compressed
 #: sign+exponent planes 2.92-3.05x at 40-45 GB/s of plane on the H200, against 2.52-2.55x at

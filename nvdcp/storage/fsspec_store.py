@@ -11,7 +11,8 @@ fsspec and the protocol's package (s3fs, gcsfs, adlfs) are imported only when a 
 from __future__ import annotations
 
 import errno
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from typing import Any
 
 from nvdcp.errors import (
@@ -62,6 +63,31 @@ def translate_fsspec_error(exc: BaseException, where: str, op: str) -> NvdcpErro
     return StorageError(getattr(exc, "errno", None) or errno.EIO, text)
 
 
+@contextmanager
+def _translated(
+    where: str, op: str, *, passthrough: type[BaseException] | tuple[type[BaseException], ...] = (),
+    on_error: Callable[[], object] | None = None,
+) -> Iterator[None]:
+    """Run the ``with`` body; an ``Exception`` it raises leaves as :func:`translate_fsspec_error`'s class.
+
+    Args:
+        where: the object or URL named in the message.
+        op: the operation named in the message (``read``, ``write``...).
+        passthrough: exception types that propagate unchanged, for the caller to handle
+            (``FileNotFoundError`` where a missing object is not an error).
+        on_error: called before the translated error is raised (e.g. abort a write stream); an
+            error it raises propagates instead.
+    """
+    try:
+        yield
+    except passthrough:
+        raise
+    except Exception as exc:
+        if on_error is not None:
+            on_error()
+        raise translate_fsspec_error(exc, where, op) from exc
+
+
 class _FsspecWriteStream(WriteStream):
     def __init__(self, store: FsspecStorage, path: str, where: str) -> None:
         self._store = store
@@ -69,18 +95,14 @@ class _FsspecWriteStream(WriteStream):
         self._where = where
         self._pos = 0
         self._done = False
-        try:
+        with _translated(where, "open"):
             self._file = store.fs.open(path, "wb", autocommit=False)
-        except Exception as exc:
-            raise translate_fsspec_error(exc, where, "open") from exc
 
     def write(self, data: Buffer) -> None:
         if self._done:
             raise ValueError(f"{self._where}: write stream is closed")
-        try:
+        with _translated(self._where, "write"):
             self._file.write(data)
-        except Exception as exc:
-            raise translate_fsspec_error(exc, self._where, "write") from exc
         self._pos += memoryview(data).nbytes
 
     def tell(self) -> int:
@@ -89,12 +111,9 @@ class _FsspecWriteStream(WriteStream):
     def commit(self) -> None:
         if self._done:
             raise ValueError(f"{self._where}: write stream is closed")
-        try:
+        with _translated(self._where, "commit", on_error=self.abort):
             self._file.close()
             self._file.commit()
-        except Exception as exc:
-            self.abort()
-            raise translate_fsspec_error(exc, self._where, "commit") from exc
         self._done = True
         self._forget()
 
@@ -105,16 +124,13 @@ class _FsspecWriteStream(WriteStream):
             return
         self._done = True
         try:
-            self._file.discard()
-            if isinstance(self._file, AbstractBufferedFile):
-                # Mark it closed, or its __del__ would flush (upload) the discarded buffer.
-                self._file.closed = True
-            if _visible_while_writing(self._file):
-                self._store.fs.rm_file(self._path)
-        except FileNotFoundError:
-            pass
-        except Exception as exc:
-            raise translate_fsspec_error(exc, self._where, "abort") from exc
+            with suppress(FileNotFoundError), _translated(self._where, "abort", passthrough=FileNotFoundError):
+                self._file.discard()
+                if isinstance(self._file, AbstractBufferedFile):
+                    # Mark it closed, or its __del__ would flush (upload) the discarded buffer.
+                    self._file.closed = True
+                if _visible_while_writing(self._file):
+                    self._store.fs.rm_file(self._path)
         finally:
             self._forget()
 
@@ -184,15 +200,13 @@ class FsspecStorage(Storage):
         return f"{self.root}/{check_name(name, self.url)}"
 
     def prepare(self) -> None:
-        try:
+        with _translated(self.url, "prepare"):
             if self.protocol in _BUCKETED:
                 bucket = self.root.split("/", 1)[0]
                 if not self.fs.exists(bucket):
                     raise BucketNotFoundError(errno.ENOENT, f"{self.url}: bucket {bucket!r} does not exist")
             else:
                 self.fs.makedirs(self.root, exist_ok=True)
-        except Exception as exc:
-            raise translate_fsspec_error(exc, self.url, "prepare") from exc
 
     def create(self, name: str) -> WriteStream:
         self._blocks.forget(self._path(name))
@@ -202,10 +216,8 @@ class FsspecStorage(Storage):
         # One pipe_file is a single PUT on object stores and one dict entry in memory://.
         path = self._path(name)
         self._blocks.forget(path)
-        try:
+        with _translated(self.describe(name), "write"):
             self.fs.pipe_file(path, bytes(data))
-        except Exception as exc:
-            raise translate_fsspec_error(exc, self.describe(name), "write") from exc
 
     def read_range(self, name: str, offset: int, length: int) -> Buffer:
         block = self.readahead_size
@@ -217,12 +229,10 @@ class FsspecStorage(Storage):
     def _fetch_block(self, path: str, where: str, index: int) -> bytes:
         start = index * self.readahead_size
         try:
-            return self.fs.cat_file(path, start=start, end=start + self.readahead_size)
-        except Exception as exc:
-            err = translate_fsspec_error(exc, where, "read")
-            if isinstance(err, TruncatedCheckpointError):
-                return b""  # the block starts past the end of the object
-            raise err from exc
+            with _translated(where, "read"):
+                return self.fs.cat_file(path, start=start, end=start + self.readahead_size)
+        except TruncatedCheckpointError:
+            return b""  # the block starts past the end of the object
 
     def read_ranges(self, name: str, ranges: Sequence[tuple[int, int]]) -> list[Buffer]:
         from fsspec.utils import merge_offset_ranges
@@ -242,10 +252,8 @@ class FsspecStorage(Storage):
         return [self._slice(blocks, starts, off, n, where) if n else b"" for off, n in ranges]
 
     def _cat_ranges(self, path: str, where: str, starts: list[int], ends: list[int]) -> list[bytes]:
-        try:
+        with _translated(where, "read"):
             blocks = self.fs.cat_ranges([path] * len(starts), starts, ends, on_error="raise")
-        except Exception as exc:
-            raise translate_fsspec_error(exc, where, "read") from exc
         for block in blocks:
             if isinstance(block, BaseException):
                 raise translate_fsspec_error(block, where, "read") from block
@@ -269,26 +277,20 @@ class FsspecStorage(Storage):
                 raise TruncatedCheckpointError(f"{self.describe(name)}: offset {off} is beyond the end ({size} bytes)")
 
     def read(self, name: str) -> bytes:
-        try:
+        with _translated(self.describe(name), "read"):
             return bytes(self.fs.cat_file(self._path(name)))
-        except Exception as exc:
-            raise translate_fsspec_error(exc, self.describe(name), "read") from exc
 
     def size(self, name: str) -> int:
         path = self._path(name)
-        try:
+        with _translated(self.describe(name), "size"):
             self.fs.invalidate_cache(path)
             return int(self.fs.size(path))
-        except Exception as exc:
-            raise translate_fsspec_error(exc, self.describe(name), "size") from exc
 
     def exists(self, name: str) -> bool:
         path = self._path(name)
-        try:
+        with _translated(self.describe(name), "exists"):
             self.fs.invalidate_cache(path)
             return bool(self.fs.isfile(path))
-        except Exception as exc:
-            raise translate_fsspec_error(exc, self.describe(name), "exists") from exc
 
     def list(self) -> list[str]:
         return self._entries("file")
@@ -299,13 +301,12 @@ class FsspecStorage(Storage):
 
     def _entries(self, kind: str) -> list[str]:
         try:
-            # Another process may have written since this fs cached the listing.
-            self.fs.invalidate_cache(self.root)
-            entries = self.fs.ls(self.root, detail=True)
+            with _translated(self.url, "list", passthrough=FileNotFoundError):
+                # Another process may have written since this fs cached the listing.
+                self.fs.invalidate_cache(self.root)
+                entries = self.fs.ls(self.root, detail=True)
         except FileNotFoundError:
             return []
-        except Exception as exc:
-            raise translate_fsspec_error(exc, self.url, "list") from exc
         return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == kind)
 
     def delete(self, names: Iterable[str]) -> None:
@@ -316,18 +317,15 @@ class FsspecStorage(Storage):
         for path in paths:
             self._blocks.forget(path)
         try:
-            self.fs.rm(paths)  # one batched request on object stores
+            with _translated(self.url, "delete", passthrough=FileNotFoundError):
+                self.fs.rm(paths)  # one batched request on object stores
         except FileNotFoundError:
             # Some implementations refuse the whole batch when one name is gone: delete one by one.
             for name, path in zip(names, paths):
-                try:
+                with suppress(FileNotFoundError), _translated(
+                    self.describe(name), "delete", passthrough=FileNotFoundError
+                ):
                     self.fs.rm_file(path)
-                except FileNotFoundError:
-                    pass
-                except Exception as exc:
-                    raise translate_fsspec_error(exc, self.describe(name), "delete") from exc
-        except Exception as exc:
-            raise translate_fsspec_error(exc, self.url, "delete") from exc
         self.fs.invalidate_cache(self.root)
 
 

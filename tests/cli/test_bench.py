@@ -1,4 +1,4 @@
-"""``nvdcp bench`` and benchmarks/codec_bench.py, smoke-run at tiny sizes."""
+"""``nvdcp bench`` and ``python -m benchmarks.codec_bench``, smoke-run at tiny sizes."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def test_gpu_only_codecs_are_skipped_without_a_gpu(ckpts: dict[str, Path]) -> No
 
 def test_benchmark_script_smoke(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "benchmarks/codec_bench.py", *TINY, "--codec", "zstd", "--no-bf16", "--out", str(tmp_path)],
+        [sys.executable, "-m", "benchmarks.codec_bench", *TINY, "--codec", "zstd", "--no-bf16", "--out", str(tmp_path)],
         check=False, capture_output=True, text=True, env=_env(), cwd=REPO, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr

@@ -153,7 +153,7 @@ def test_bounded_map_keeps_order_and_budget() -> None:
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from nvdcp.cli.conversion import bounded_map
+    from nvdcp.convert import bounded_map
 
     lock, state = threading.Lock(), {"now": 0, "peak": 0}
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import nvdcp
-from nvdcp.cli.inspection import HEADER_PREFIX_BYTES
+from nvdcp.inspection import HEADER_PREFIX_BYTES
 from tests.cli.conftest import cli, flip_byte, invoke, records
 
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import torch
 import torch.distributed.checkpoint as dcp
 
 import nvdcp
+
+# Re-exported: many tests import these from here; the one copy is in nvdcp.testing.
+from nvdcp.testing import empty_like_sd, failure_of  # noqa: F401
 
 
 def save(sd: dict[str, Any], path: str | os.PathLike[str], **kwargs: Any) -> nvdcp.NvcompWriter:
@@ -17,32 +19,10 @@ def save(sd: dict[str, Any], path: str | os.PathLike[str], **kwargs: Any) -> nvd
     return writer
 
 
-def empty_like_sd(sd: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in sd.items():
-        if isinstance(v, torch.Tensor):
-            out[k] = torch.zeros(v.shape, dtype=v.dtype) if v.dtype != torch.bool else torch.zeros(v.shape, dtype=torch.bool)
-        elif isinstance(v, dict):
-            out[k] = empty_like_sd(v)
-        else:
-            out[k] = None
-    return out
-
-
 def load(sd: dict[str, Any], path: str | os.PathLike[str], **kwargs: Any) -> nvdcp.NvcompReader:
     reader = nvdcp.NvcompReader(path, **kwargs)
     dcp.load(sd, storage_reader=reader)
     return reader
-
-
-def failure_of(exc: BaseException) -> BaseException:
-    """The first rank's underlying exception inside DCP's CheckpointException."""
-    failures = getattr(exc, "failures", None)
-    if not failures:
-        return exc
-    wrapped = next(iter(failures.values()))
-    # torch wraps each rank's failure as (exception, traceback summary)
-    return wrapped[0] if isinstance(wrapped, tuple) else wrapped
 
 
 def data_files(path: str | os.PathLike[str]) -> list[str]:

@@ -16,8 +16,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import nvdcp
-from tests.dcp.helpers import failure_of
-from tests.reliability import faults as F
+from nvdcp.testing import failure_of
+from nvdcp.testing import faults as F
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -71,7 +71,7 @@ def test_cleanup_keeps_the_files_of_a_save_in_progress(tmp_path: Path) -> None:
 def test_convert_keeps_the_files_of_a_save_in_progress(tmp_path: Path) -> None:
     """``nvdcp convert --overwrite`` into a location where a save is in progress follows the
     same protocol as a save: its cleanup keeps the other save's files (before, it deleted them)."""
-    from nvdcp.cli.conversion import ConvertOptions, convert_checkpoint
+    from nvdcp.convert import ConvertOptions, convert_checkpoint
 
     target, source = tmp_path / "t", tmp_path / "src"
     _save(target, 1)

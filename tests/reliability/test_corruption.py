@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from nvdcp.cli.inspection import inspect_checkpoint
 from nvdcp.codecs.gdeflate import GDeflateCodec
-from tests.reliability import damage as D
+from nvdcp.inspection import inspect_checkpoint
+from nvdcp.testing import damage as D
 
 pytestmark = pytest.mark.timeout(240)
 

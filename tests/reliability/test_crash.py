@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 import nvdcp
-from tests.reliability import faults as F
+from nvdcp.testing import faults as F
 
 pytestmark = pytest.mark.timeout(120)
 

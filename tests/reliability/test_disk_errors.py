@@ -19,9 +19,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import nvdcp
-from tests.conftest import random_tensor
-from tests.dcp.helpers import failure_of
-from tests.reliability import faults as F
+from nvdcp.testing import failure_of, random_tensor
+from nvdcp.testing import faults as F
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.reliability import faults as F
-from tests.reliability import fuzz_targets as T
+from nvdcp.testing import faults as F
+from nvdcp.testing import fuzz_targets as T
 
 pytestmark = pytest.mark.timeout(240)
 

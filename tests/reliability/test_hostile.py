@@ -22,13 +22,13 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 
 import nvdcp
-from nvdcp.cli._metadata import load_any_metadata
 from nvdcp.codecs.gdeflate import GDeflateCodec, guarded
+from nvdcp.dcp.any_metadata import load_any_metadata
 from nvdcp.format.header import checksum
 from nvdcp.storage import open_storage
-from tests.dcp.helpers import empty_like_sd, failure_of
-from tests.reliability import faults as F
-from tests.reliability.fuzz_targets import fix_checksums
+from nvdcp.testing import empty_like_sd, failure_of
+from nvdcp.testing import faults as F
+from nvdcp.testing.fuzz_targets import fix_checksums
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -77,7 +77,7 @@ def _load_capped(path: str, headroom: int) -> tuple[str, str, int, float]:
     try:
         dcp.load(empty_like_sd(_state()), storage_reader=nvdcp.NvcompReader(path, thread_count=1))
         name, msg = "loaded", ""
-    except BaseException as exc:  # noqa: BLE001 - reported
+    except BaseException as exc:
         err = failure_of(exc)
         name, msg = type(err).__name__, str(err)
     return name, msg, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0, time.perf_counter() - t0
@@ -197,7 +197,7 @@ def test_unknown_descriptors_refused(ckpt: Path, desc: str, error: type) -> None
 
 
 def test_unknown_file_header_version_is_reported(ckpt: Path) -> None:
-    from nvdcp.cli.inspection import inspect_checkpoint
+    from nvdcp.inspection import inspect_checkpoint
 
     f = next(ckpt.glob("*.nvdcp"))
     data = bytearray(f.read_bytes())
@@ -360,7 +360,7 @@ def _read_metadata_capped(path: str) -> tuple[str, str, int, float]:
     try:
         nvdcp.NvcompReader(path).read_metadata()
         name, msg = "loaded", ""
-    except BaseException as exc:  # noqa: BLE001 - reported
+    except BaseException as exc:
         name, msg = type(exc).__name__, str(exc)
     return name, msg, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0, time.perf_counter() - t0
 

@@ -1,4 +1,4 @@
-"""Smoke run of benchmarks/s3_bench.py at tiny size: it runs, verifies loads and writes its JSON."""
+"""Smoke run of ``python -m benchmarks.s3_bench`` at tiny size: it runs, verifies loads and writes its JSON."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ import pytest
 
 pytestmark = pytest.mark.s3
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "s3_bench.py"
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.timeout(240)
 def test_s3_bench_tiny(tmp_path: Path) -> None:
     pytest.importorskip("s3fs")
-    cmd = [sys.executable, str(SCRIPT), "--size", "tiny", "--variants", "nvdcp-boto3,torch-fsspec",
+    cmd = [sys.executable, "-m", "benchmarks.s3_bench", "--size", "tiny", "--variants", "nvdcp-boto3,torch-fsspec",
            "--out", str(tmp_path), "--timeout", "120"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=220, check=False)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=220, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| nvdcp-boto3 | save |" in proc.stdout
     (result,) = tmp_path.glob("s3_*.json")

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.default_planner import create_default_local_sa
 from torch.distributed.checkpoint.staging import AsyncStager
 
 import nvdcp
+from nvdcp.pipeline.encoder import ItemEncoder
 from nvdcp.dcp.stager import HostBuffers, NvcompStager, StagedShard, StagedTensor
 from tests.conftest import bit_equal
 
@@ -120,13 +121,18 @@ def test_saved_state_is_the_staged_one_not_the_mutated_one(tmp_path: Path, mode:
 def test_pre_encoded_items_are_written_without_compressing_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     staged = NvcompStager(cpu_mode="compress").stage(_state())
     calls: list[str] = []
-    original = nvdcp.NvcompWriter._encode
+    encode_bytes, encode_tensor = ItemEncoder.encode_bytes, ItemEncoder.encode_tensor
 
-    def spy(self: Any, item: Any, data: Any) -> Any:
-        calls.append(item.type.name)
-        return original(self, item, data)
+    def spy_bytes(self: Any, data: Any) -> Any:
+        calls.append("BYTE_IO")
+        return encode_bytes(self, data)
 
-    monkeypatch.setattr(nvdcp.NvcompWriter, "_encode", spy)
+    def spy_tensor(self: Any, tensor: Any, where: str) -> Any:
+        calls.append("TENSOR")
+        return encode_tensor(self, tensor, where)
+
+    monkeypatch.setattr(ItemEncoder, "encode_bytes", spy_bytes)
+    monkeypatch.setattr(ItemEncoder, "encode_tensor", spy_tensor)
     writer = nvdcp.NvcompWriter(tmp_path)
     dcp.save(staged, storage_writer=writer)
     assert calls and set(calls) == {"BYTE_IO"}  # only the pickled leaves

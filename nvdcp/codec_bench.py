@@ -115,23 +115,14 @@ def machine() -> dict[str, Any]:
 
 # -- inputs ------------------------------------------------------------------------------------
 def reference_state(*, steps: int, d_model: int, layers: int, batch: int = 8, seed: int = 0) -> dict[str, Any]:
-    """The CPU reference workload (as benchmarks/workload.py ``train_state`` on the CPU):
+    """The CPU reference workload (:func:`nvdcp.demo.workload.train_state` on the CPU):
     a byte-level GPT trained ``steps`` steps with AdamW on the standard library's sources."""
-    from nvdcp.demo.model import GPT, GPTConfig, batch_for_step, lr_at, stdlib_bytes
+    from nvdcp.demo.model import GPTConfig
+    from nvdcp.demo.workload import train_state
 
-    torch.manual_seed(seed)
     cfg = GPTConfig(d_model=d_model, n_layers=layers, n_heads=max(1, d_model // 64))
-    model = GPT(cfg)
-    optim = torch.optim.AdamW(model.parameters(), lr=6e-4, weight_decay=0.1)
-    data = stdlib_bytes(4 << 20)
-    for step in range(steps):
-        x, y = batch_for_step(data, step, 0, 1, batch, cfg.context, seed)
-        for g in optim.param_groups:
-            g["lr"] = lr_at(step, total=steps)
-        model(x, y).backward()
-        optim.step()
-        optim.zero_grad(set_to_none=True)
-    return {"model": model.state_dict(), "optim": optim.state_dict()}
+    state, _ = train_state("cpu", cfg=cfg, steps=steps, batch=batch, seed=seed, data_bytes=4 << 20)
+    return state
 
 
 def flat_tensors(state: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
@@ -157,7 +148,7 @@ def workload_tensors(state: dict[str, Any], bf16: bool) -> Iterator[tuple[str, t
 
 def checkpoint_tensors(path: str, storage_options: dict[str, Any] | None) -> Iterator[tuple[str, torch.Tensor]]:
     """Every stored tensor chunk of a checkpoint (stock DCP or nvdcp), one at a time."""
-    from nvdcp.cli.conversion import Source
+    from nvdcp.convert import Source
 
     source = Source(path, threads=1, storage_options=storage_options)
     for job in sorted(source.jobs(), key=lambda j: (j.info.relative_path, j.info.offset)):

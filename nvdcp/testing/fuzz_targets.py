@@ -41,8 +41,8 @@ from nvdcp.format.header import (
 )
 from nvdcp.pipeline.cpu import decode_item, encode_item
 from nvdcp.pipeline.policy import choose_layout
-from tests.dcp.helpers import empty_like_sd, failure_of
-from tests.reliability.faults import same_state
+from nvdcp.testing import empty_like_sd, failure_of
+from nvdcp.testing.faults import same_state
 
 EXAMPLES = int(os.environ.get("NVDCP_FUZZ_EXAMPLES", "150"))
 #: Outcomes of the examples run in this process, for the report.

@@ -21,8 +21,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from nvdcp.cli._metadata import load_any_metadata
-from nvdcp.codecs import CODEC_TABLE
+from nvdcp.dcp.any_metadata import load_any_metadata
+from nvdcp.codecs import codec_id, codec_names
 from nvdcp.dcp import descriptor
 from nvdcp.errors import CorruptCheckpointError, NvdcpError
 from nvdcp.format.header import (
@@ -247,7 +247,8 @@ def _read_file_header(storage: Storage, name: str) -> tuple[int | None, dict[str
 
 
 def _plane_summary(header: ItemHeader) -> tuple[str, str, list[str]]:
-    names = [CODEC_TABLE.get(c, (f"id{c}",))[0] for c in header.plane_codecs]
+    known = {codec_id(n): n for n in codec_names()}
+    names = [known.get(c, f"id{c}") for c in header.plane_codecs]
     main = next((n for n in names if n != "none"), "none")
     transform = "byteplanes" if header.transform == TRANSFORM_BYTEPLANES else "none"
     return main, transform, names

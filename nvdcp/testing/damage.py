@@ -16,9 +16,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import nvdcp
 from nvdcp.format.header import FILE_FIXED_SIZE, ITEM_FIXED_SIZE, file_header_size, item_header_size
-from tests.conftest import random_tensor, weights_like
-from tests.dcp.helpers import empty_like_sd, failure_of
-from tests.reliability.faults import same_state
+from nvdcp.testing import empty_like_sd, failure_of, random_tensor, weights_like
+from nvdcp.testing.faults import same_state
 
 
 def sample_state() -> dict[str, Any]:
@@ -195,7 +194,7 @@ def check_metadata_flip(path: Path, pos: int, xor: int, want: dict[str, Any], ta
             nvdcp.NvcompReader(path).read_metadata()  # dcp.load turns its errors into AssertionError text
             dcp.load(sd, storage_reader=nvdcp.NvcompReader(path, thread_count=1, codec_threads=1))
             kind = "intact" if same_state(sd, want) else "WRONG"
-        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any error is a refusal here
+        except (Exception, CheckpointException) as exc:
             err = failure_of(exc)
             kind = "NvdcpError" if isinstance(err, nvdcp.NvdcpError) else f"other error ({type(err).__name__})"
         tally.outcomes[f".metadata: load {kind}"] += 1

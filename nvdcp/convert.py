@@ -16,15 +16,13 @@ from __future__ import annotations
 import copy
 import io
 import os
-import pickle
 import re
-import threading
 import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
@@ -36,29 +34,27 @@ from torch.distributed.checkpoint.filesystem import (
 )
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
-    Metadata,
     MetadataIndex,
-    StorageMeta,
     TensorStorageMetadata,
 )
 
-from nvdcp.cli._metadata import load_any_metadata
 from nvdcp.codecs import GPU_ONLY
 from nvdcp.dcp import descriptor
+from nvdcp.dcp.any_metadata import load_any_metadata
+from nvdcp.dcp.commit import CheckpointCommit, data_file_header
 from nvdcp.dcp.metadata_io import METADATA_NAME
 from nvdcp.dcp.reader import NvcompReader, describe_index
-from nvdcp.dcp.save_guard import SaveGuard
-from nvdcp.dcp.writer import _writer_info, tensor_to_host_bytes
 from nvdcp.errors import (
     CheckpointExistsError,
     CodecUnavailableError,
     CorruptCheckpointError,
 )
-from nvdcp.format.dtypes import dtype_code
-from nvdcp.format.header import DEFAULT_CHUNK_BYTES, KIND_BYTES, KIND_TENSOR, pack_file_header
+from nvdcp.format.header import DEFAULT_CHUNK_BYTES
 from nvdcp.gpu import gpu_available
-from nvdcp.pipeline.cpu import encode_item
-from nvdcp.pipeline.policy import Layout, choose_layout, validate_codec_choice
+from nvdcp.gpu.config import GpuConfig
+from nvdcp.pipeline.config import EncodeConfig
+from nvdcp.pipeline.encoder import ItemEncoder, descriptor_codec
+from nvdcp.pipeline.tensors import tensor_nbytes, tensor_to_host_bytes
 from nvdcp.report import Report
 
 FORMATS = ("nvdcp", "stock")
@@ -83,6 +79,7 @@ class ConvertOptions:
         codec_threads: threads compressing chunks of one item (default: all cores).
         chunk_bytes: uncompressed bytes per chunk of nvdcp output.
         overwrite: replace a checkpoint already at the destination.
+        gpu: GPU path settings for codecs that compress on the GPU (ANS, Bitcomp).
     """
 
     to: str = "nvdcp"
@@ -92,24 +89,27 @@ class ConvertOptions:
     codec_threads: int | None = None
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     overwrite: bool = False
+    gpu: GpuConfig = field(default_factory=GpuConfig)
 
     def __post_init__(self) -> None:
         if self.to not in FORMATS:
             raise ValueError(f"output format must be one of {FORMATS}, got {self.to!r}")
-        validate_codec_choice(self.codec)
+        EncodeConfig(self.codec, self.chunk_bytes, self.codec_threads)  # raises on a bad codec, chunk size, threads
         if self.to == "stock" and self.codec != "auto":
             raise ValueError("--codec applies to nvdcp output only; stock DCP output is uncompressed torch.save")
         if self.max_memory < 1 << 20:
             raise ValueError(f"max_memory must be at least 1 MiB, got {self.max_memory}")
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
-        if not 1024 <= self.chunk_bytes <= 1 << 16:
-            raise ValueError(f"chunk_bytes must be within 1 KiB..64 KiB, got {self.chunk_bytes}")
         if self.codec in GPU_ONLY and not gpu_available():
             raise CodecUnavailableError(
                 f"codec {self.codec!r} compresses only on an NVIDIA GPU with nvidia-nvcomp-cu12 installed; "
                 "none is usable here"
             )
+
+    @property
+    def encoding(self) -> EncodeConfig:
+        return EncodeConfig(self.codec, self.chunk_bytes, self.codec_threads)
 
 
 @dataclass
@@ -214,11 +214,8 @@ class Source:
                 if chunk is None:
                     raise CorruptCheckpointError(f"{where}: no chunk at this offset in .metadata")
                 shape = tuple(chunk.sizes)
-                numel = 1
-                for s in shape:
-                    numel *= s
                 dtype = md.properties.dtype
-                out.append(_Job(index, info, dtype, shape, numel * torch.empty((), dtype=dtype).element_size()))
+                out.append(_Job(index, info, dtype, shape, tensor_nbytes(shape, dtype)))
             elif isinstance(md, BytesStorageMetadata):
                 out.append(_Job(index, info, None, None, info.length))
             else:
@@ -284,55 +281,25 @@ class _Converter:
         if self.dst.url.rstrip("/") == self.src.url.rstrip("/"):
             raise ValueError(f"source and destination are the same location ({self.src.url})")
         self.dst_path = os.fspath(dst)
-        self.codec_pool = ThreadPoolExecutor(options.codec_threads or os.cpu_count() or 1, thread_name_prefix="nvdcp-codec")
+        self.encoder = ItemEncoder(options.encoding, options.gpu)
         self.report = Report("convert", self.dst.url)
-        self._gpu = threading.local()
 
     # -- writing -----------------------------------------------------------------------------
     def encode(self, job: _Job, raw: np.ndarray) -> tuple[list[bytes | memoryview], str | None]:
         """The stored bytes of the item (in parts) and, for nvdcp output, its main codec."""
-        if self.options.to == "stock":
-            if job.dtype is None or job.shape is None:
+        if job.dtype is None or job.shape is None:
+            if self.options.to == "stock":
                 return [raw.data], None
-            tensor = torch.from_numpy(raw).view(job.dtype).reshape(job.shape) if raw.size else torch.empty(job.shape, dtype=job.dtype)
-            buf = io.BytesIO()
-            torch.save(tensor, buf)
-            return [buf.getbuffer()], None
-        if job.dtype is None:
-            layout = choose_layout(None, self.options.codec)
-            enc = encode_item(raw, kind=KIND_BYTES, dtype_code=0, shape=(), element_size=1, layout=layout,
-                              pool=self.codec_pool, chunk_bytes=self.options.chunk_bytes)
-            return [enc.header_bytes, *enc.chunks], layout.descriptor_codec
-        assert job.shape is not None
-        layout = choose_layout(job.dtype, self.options.codec)
-        if self.options.codec in GPU_ONLY:
-            if raw.size:
-                return self._encode_gpu(job, raw, layout), layout.descriptor_codec
-            layout = choose_layout(job.dtype, "none")  # no chunks to compress; nvCOMP takes no empty batch
-        enc = encode_item(raw, kind=KIND_TENSOR, dtype_code=dtype_code(job.dtype), shape=job.shape,
-                          element_size=torch.empty((), dtype=job.dtype).element_size(), layout=layout,
-                          pool=self.codec_pool, chunk_bytes=self.options.chunk_bytes)
-        return [enc.header_bytes, *enc.chunks], layout.descriptor_codec
-
-    def _encode_gpu(self, job: _Job, raw: np.ndarray, layout: Layout) -> list[bytes | memoryview]:
-        from nvdcp.gpu.config import GpuConfig
-        from nvdcp.gpu.encoder import GpuEncoder, GpuJob
-
-        assert job.dtype is not None and job.shape is not None
-        device = torch.device("cuda", torch.cuda.current_device())
-        encoder = getattr(self._gpu, "encoder", None)
-        if encoder is None:
-            budget = GpuConfig().gpu_budget(device) // self.options.threads
-            encoder = self._gpu.encoder = GpuEncoder(
-                device, chunk_bytes=self.options.chunk_bytes, budget_bytes=budget, gdeflate_type=0,
-            )
-        data = torch.from_numpy(raw).to(device)
-        gpu_job = GpuJob(job.index, data, layout, job.dtype, dtype_code(job.dtype), job.shape)
-        parts: list[bytes | memoryview] = []
-        for _, enc in encoder.encode([gpu_job]):
-            # The chunks are views of a pinned buffer the encoder reuses: copy them out now.
-            parts = [enc.header_bytes, *(bytes(c) for c in enc.chunks)]
-        return parts
+            data: Any = raw
+        else:
+            data = torch.from_numpy(raw).view(job.dtype).reshape(job.shape) if raw.size else torch.empty(job.shape, dtype=job.dtype)
+            if self.options.to == "stock":
+                buf = io.BytesIO()
+                torch.save(data, buf)
+                return [buf.getbuffer()], None
+        where = f"{self.src.url} item {describe_index(job.index)}"
+        enc = self.encoder.encode_owned(data, where, shares=self.options.threads)
+        return [enc.header_bytes, *enc.chunks], descriptor_codec(enc)
 
     def convert_one(self, job: _Job) -> tuple[_Job, int, list[bytes | memoryview], str | None]:
         raw = self.source.read(job)
@@ -358,9 +325,9 @@ class _Converter:
             by_file.setdefault(job.info.relative_path, []).append(job)
         save_id = uuid.uuid4().hex
         names = _destination_names(sorted(by_file), opts.to, save_id[:12])
-        guard = SaveGuard(self.dst)
+        commit = CheckpointCommit(self.dst)
         if opts.to == "nvdcp":
-            guard.mark(save_id[:12])  # saves racing here keep their files, and we keep ours
+            commit.begin(save_id[:12])  # saves racing here keep their files, and we keep ours
         total = sum(j.raw_nbytes for j in jobs)
         done = 0
         storage_data: dict[MetadataIndex, _StorageInfo] = {}
@@ -373,9 +340,7 @@ class _Converter:
                     created.append(name)
                     try:
                         if opts.to == "nvdcp":
-                            info = _writer_info(0, save_id)
-                            info["converted_from"] = self.src.url
-                            stream.write(pack_file_header(info))
+                            stream.write(data_file_header(0, save_id, converted_from=self.src.url))
                         file_jobs = sorted(by_file[src_name], key=lambda j: j.info.offset)
                         for job, raw_nbytes, parts, codec in bounded_map(
                             self.convert_one, file_jobs, lambda j: j.cost, opts.max_memory, pool, 2 * opts.threads,
@@ -398,16 +363,17 @@ class _Converter:
                     except BaseException:
                         stream.abort()
                         raise
-            guard.check_data_files(storage_data)
-            committed = self._commit(storage_data, save_id)
+            metadata = copy.copy(self.metadata)
+            if opts.to == "stock":
+                metadata.version = metadata.version or CURRENT_DCP_VERSION  # as FileSystemWriter.finish
+            commit.commit(metadata, storage_data, self.dst_path, save_id, stock_pickle=opts.to == "stock")
         except BaseException:
-            self.dst.delete(created)
-            guard.unmark()
+            commit.abort(created)
             raise
         finally:
-            self.codec_pool.shutdown()
+            self.encoder.close()
         keep = {info.relative_path for info in storage_data.values()}
-        if not guard.cleanup(keep, committed):
+        if not commit.cleanup(keep):
             # Stock file names carry no save token (fixed __<rank>_<i>.distcp): an earlier stock
             # checkpoint's extra files go too, unless a later save now owns the location.
             self.dst.delete([n for n in self.dst.list() if _STOCK_DATA_FILE.match(n) and n not in keep])
@@ -420,18 +386,6 @@ class _Converter:
             sum(j.info.length for j in jobs), opts.to, opts.codec if opts.to == "nvdcp" else None,
             len(by_file), self.report,
         )
-
-    def _commit(self, storage_data: dict[MetadataIndex, _StorageInfo], save_id: str) -> bytes:
-        metadata: Metadata = copy.copy(self.metadata)
-        metadata.storage_data = storage_data
-        metadata.storage_meta = StorageMeta(checkpoint_id=self.dst_path, save_id=save_id)
-        if self.options.to == "stock":
-            metadata.version = metadata.version or CURRENT_DCP_VERSION
-            blob = pickle.dumps(metadata)  # as FileSystemWriter.finish
-        else:
-            blob = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)  # as NvcompWriter.finish
-        self.dst.write_atomic(METADATA_NAME, blob)
-        return blob
 
 
 def convert_checkpoint(

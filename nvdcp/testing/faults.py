@@ -29,8 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import nvdcp
 from nvdcp.dcp.metadata_io import METADATA_NAME
-from tests.conftest import bit_equal, weights_like
-from tests.dcp.helpers import empty_like_sd, failure_of
+from nvdcp.testing import bit_equal, empty_like_sd, failure_of, weights_like
 
 #: Where a writer can be stopped. ``bytes`` points are given as a byte count instead.
 PHASES = (
@@ -285,7 +284,7 @@ def save_worker(rank: int, world: int, port: int, path: str, seed: int, stop: di
         kwargs = {"thread_count": 2, "sync_files": False, "codec_threads": 1, "codec": "zstd", **writer_kwargs}
         writer = StoppingWriter(path, stopper=stopper, **kwargs)
         dcp.save(rank_state(rank, seed), storage_writer=writer)
-    except BaseException:  # noqa: BLE001 - reported as the exit code
+    except BaseException:
         if not os.environ.get("NVDCP_FAULTS_QUIET"):  # the sweep expects thousands of these
             traceback.print_exc()
         sys.exit(1)
@@ -345,7 +344,7 @@ def call_in_process(fn: Callable[..., Any], *args: Any, timeout: float = 60.0) -
 def _call_entry(conn: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
     try:
         out: Any = ("ok", fn(*args))
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+    except BaseException as exc:
         err = failure_of(exc)
         out = ("raised", type(err).__name__, str(err), getattr(err, "errno", None), getattr(err, "filename", None))
     conn.send(out)

@@ -1,0 +1,288 @@
+"""``ItemEncoder``: the one entry point that turns write items into container records.
+
+Every caller that encodes (the writer, the async stager, ``nvdcp convert``, the codec benchmark)
+goes through this class, so the rules live in one place:
+
+- the layout: transform and per-plane codecs for the dtype (:func:`~nvdcp.pipeline.policy.choose_layout`,
+  with ``"auto"`` resolving to the GPU or the CPU codec depending on where the item is encoded);
+- where an item is encoded: on its GPU when it lives there (or when the codec only runs on a GPU),
+  on the CPU thread pool otherwise;
+- empty tensors under a GPU-only codec: stored raw (nothing to compress, nothing needs a GPU);
+- flattening: only the view's elements, row-major, one copy at most (:func:`~nvdcp.pipeline.tensors.flat_bytes`).
+
+It owns what encoding keeps between saves: the CPU codec threads, one GPU encoder per device and
+concurrent user (nvCOMP codecs and CUDA streams are reused, not rebuilt per save), and the pinned
+host pool those encoders copy through. :meth:`ItemEncoder.close` frees all of it. Writers created
+per save share :func:`shared_encoder` for their settings; :func:`nvdcp.release_resources` closes those.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from nvdcp.errors import CodecUnavailableError
+from nvdcp.format.dtypes import dtype_code
+from nvdcp.format.header import KIND_BYTES, KIND_TENSOR
+from nvdcp.gpu import gpu_available
+from nvdcp.gpu.config import GpuConfig
+from nvdcp.pipeline.config import EncodeConfig
+from nvdcp.pipeline.cpu import EncodedItem, encode_item
+from nvdcp.pipeline.policy import GPU_AUTO_CODEC, choose_layout
+from nvdcp.pipeline.tensors import flat_bytes, plain, tensor_to_host_bytes
+
+if TYPE_CHECKING:
+    from nvdcp.gpu.encoder import GpuEncoder, GpuJob, HostSink
+    from nvdcp.gpu.pinned import PinnedPool
+
+#: What one item to encode is: a tensor, or the bytes of a BYTE_IO item.
+ItemData = torch.Tensor | io.BytesIO | bytes | bytearray | memoryview | np.ndarray
+
+
+class ItemEncoder:
+    """Encodes tensors and byte blobs into container records, on the GPU or the CPU.
+
+    Args:
+        config: codec, chunk size and CPU codec threads.
+        gpu: bounds of the GPU path (scratch GPU memory, pinned host memory, GDeflate type).
+
+    Thread-safe: several threads (a writer's data files, a converter's workers) may encode at
+    once; each GPU encode checks out its own :class:`~nvdcp.gpu.encoder.GpuEncoder`.
+    """
+
+    def __init__(self, config: EncodeConfig | None = None, gpu: GpuConfig | None = None) -> None:
+        self.config = config or EncodeConfig()
+        self.gpu = gpu or GpuConfig()
+        self._init_runtime()
+
+    def _init_runtime(self) -> None:
+        # Nothing here touches CUDA: an encoder may be built (and pickled) before any GPU work.
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pinned: PinnedPool | None = None
+        self._idle: dict[tuple[torch.device, int], list[GpuEncoder]] = {}
+
+    # -- pickling (async_save PROCESS mode): settings travel, threads and CUDA state do not ------
+    def __getstate__(self) -> dict[str, Any]:
+        return {"config": self.config, "gpu": self.gpu}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_runtime()
+
+    # -- resources -----------------------------------------------------------------------------
+    def codec_pool(self) -> ThreadPoolExecutor:
+        """The CPU codec threads (created on first use)."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.config.threads, thread_name_prefix="nvdcp-codec")
+            return self._pool
+
+    @property
+    def pinned(self) -> PinnedPool:
+        """The pinned host pool of this encoder's GPU encoders (bounded by ``gpu.pinned_memory_bytes``)."""
+        from nvdcp.gpu.pinned import PinnedPool
+
+        with self._lock:
+            if self._pinned is None:
+                self._pinned = PinnedPool(self.gpu.pinned_memory_bytes)
+            return self._pinned
+
+    def close(self) -> None:
+        """Stop the codec threads and free the GPU encoders and pinned buffers (reusable after)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+            pinned, self._pinned = self._pinned, None
+            self._idle.clear()
+        if pool is not None:
+            pool.shutdown(wait=True)
+        if pinned is not None:
+            pinned.close()
+
+    # -- routing -------------------------------------------------------------------------------
+    def uses_gpu(self, data: torch.Tensor, gpu_ok: bool | None = None) -> bool:
+        """Whether ``data`` is encoded on a GPU: it lives on one, or only a GPU runs the codec.
+
+        ``gpu_ok`` is :func:`~nvdcp.gpu.gpu_available` when the caller already asked (once per save).
+        """
+        if not (gpu_available() if gpu_ok is None else gpu_ok):
+            return False
+        return data.is_cuda or (self.config.gpu_only and data.numel() > 0)
+
+    # -- the CPU path --------------------------------------------------------------------------
+    def encode_bytes(self, data: io.BytesIO | bytes | bytearray | memoryview | np.ndarray) -> EncodedItem:
+        """Encode a BYTE_IO item (always with a CPU-decodable codec)."""
+        buf = data.getbuffer() if isinstance(data, io.BytesIO) else data
+        raw = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf
+        return encode_item(
+            raw, kind=KIND_BYTES, dtype_code=0, shape=(), element_size=1,
+            layout=choose_layout(None, self.config.codec), pool=self.codec_pool(),
+            chunk_bytes=self.config.chunk_bytes,
+        )
+
+    def encode_tensor(self, tensor: torch.Tensor, where: str) -> EncodedItem:
+        """Encode a tensor on the CPU (its bytes are copied to the host if it lives on a GPU).
+
+        Raises:
+            ValueError: the dtype has no code in the format (``where`` names the item).
+            CodecUnavailableError: the codec compresses only on a GPU and the tensor is not empty.
+        """
+        code = _dtype_code(tensor.dtype, where)
+        codec = self.config.codec
+        if self.config.gpu_only:
+            if tensor.numel():
+                raise CodecUnavailableError(
+                    f"{where}: codec {codec!r} compresses only on an NVIDIA GPU with "
+                    "nvidia-nvcomp-cu12 installed; none is usable here"
+                )
+            codec = "none"  # nothing to compress, nothing needs a GPU
+        return encode_item(
+            tensor_to_host_bytes(tensor), kind=KIND_TENSOR, dtype_code=code, shape=tuple(tensor.shape),
+            element_size=tensor.element_size(), layout=choose_layout(tensor.dtype, codec),
+            pool=self.codec_pool(), chunk_bytes=self.config.chunk_bytes,
+        )
+
+    # -- the GPU path --------------------------------------------------------------------------
+    def gpu_job(self, key: Any, tensor: torch.Tensor, where: str) -> GpuJob:
+        """Describe ``tensor`` for a GPU encode (moved to the current GPU if it is on the host)."""
+        from nvdcp.gpu.encoder import GpuJob
+
+        t = plain(tensor)
+        if not t.is_cuda:
+            t = t.to(torch.device("cuda", torch.cuda.current_device()))
+        flat = flat_bytes(t) if t.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
+        layout = choose_layout(t.dtype, self.config.codec, auto_codec=GPU_AUTO_CODEC)
+        return GpuJob(key, flat, layout, t.dtype, _dtype_code(t.dtype, where), tuple(t.shape), KIND_TENSOR)
+
+    def encode_gpu_jobs(self, jobs: list[GpuJob], shares: int = 1) -> Iterator[tuple[GpuJob, EncodedItem]]:
+        """Encode ``jobs`` on their devices; yields ``(job, record)`` in order of completion.
+
+        ``shares``: how many encodes may run at once (a writer's data files): each gets that
+        share of the GPU scratch and pinned budgets. The yielded chunks view pinned memory that
+        is reused once the next record is asked for: write or copy them before that.
+        """
+        from nvdcp.gpu.encoder import by_device, ready_event
+
+        for device, device_jobs in by_device(jobs).items():
+            with self._gpu_encoder(device, shares) as encoder:
+                yield from encoder.encode(device_jobs, ready_event(device))
+
+    def stage_gpu_jobs(self, jobs: list[GpuJob], sink: HostSink) -> Callable[[], Iterator[tuple[GpuJob, EncodedItem]]]:
+        """Compress ``jobs`` into ``sink``'s host memory; returns once every copy is done (the
+        tensors are no longer read). The returned function yields the records (checksums and
+        headers: host work only, for a background thread)."""
+        from nvdcp.gpu.encoder import by_device, ready_event
+
+        staged = []
+        for device, device_jobs in by_device(jobs).items():
+            with self._gpu_encoder(device, 1) as encoder:
+                staged.append((encoder, device_jobs, encoder.stage(device_jobs, sink, ready_event(device))))
+
+        def records() -> Iterator[tuple[GpuJob, EncodedItem]]:
+            for encoder, device_jobs, buckets in staged:
+                yield from encoder.items(device_jobs, buckets)
+
+        return records
+
+    @contextlib.contextmanager
+    def _gpu_encoder(self, device: torch.device, shares: int) -> Iterator[GpuEncoder]:
+        """Check out an idle encoder for ``device`` (made on first need), back when done."""
+        from nvdcp.gpu.encoder import GpuEncoder
+
+        key = (device, shares)
+        with self._lock:
+            idle = self._idle.setdefault(key, [])
+            encoder = idle.pop() if idle else None
+        if encoder is None:
+            encoder = GpuEncoder(
+                device, chunk_bytes=self.config.chunk_bytes, budget_bytes=self.gpu.gpu_budget(device) // shares,
+                gdeflate_type=self.gpu.gdeflate_algorithm_type,
+                pinned_bytes=self.gpu.pinned_memory_bytes // shares, pinned=self.pinned,
+            )
+        try:
+            yield encoder
+        finally:
+            with self._lock:
+                self._idle.setdefault(key, []).append(encoder)
+
+    # -- whole sets of items -------------------------------------------------------------------
+    def encode_items(
+        self, items: Iterable[tuple[Any, ItemData]], describe: Callable[[Any], str], shares: int = 1,
+    ) -> Iterator[tuple[Any, EncodedItem]]:
+        """Encode ``(key, data)`` pairs; yields ``(key, record)``.
+
+        CPU items are encoded and yielded as they come; GPU items are collected and encoded in
+        batched calls at the end (one nvCOMP call per codec and bucket, however many tensors).
+        ``describe(key)`` names an item in errors. Chunks of GPU records view reused pinned
+        memory: consume each record before asking for the next.
+        """
+        gpu_ok = gpu_available()
+        jobs: list[GpuJob] = []
+        for key, data in items:
+            if not isinstance(data, torch.Tensor):
+                yield key, self.encode_bytes(data)
+            elif self.uses_gpu(data, gpu_ok):
+                jobs.append(self.gpu_job(key, data, describe(key)))
+            else:
+                yield key, self.encode_tensor(data, describe(key))
+        if jobs:
+            for job, encoded in self.encode_gpu_jobs(jobs, shares):
+                yield job.key, encoded
+
+    def encode_owned(self, data: ItemData, where: str, shares: int = 1) -> EncodedItem:
+        """Encode one item into a record whose chunks the caller may keep (GPU chunks are
+        copied out of the reused pinned memory)."""
+        for _, encoded in self.encode_items([(where, data)], lambda key: key, shares):
+            if isinstance(data, torch.Tensor) and self.uses_gpu(data):
+                encoded = EncodedItem(encoded.header, encoded.header_bytes, [bytes(c) for c in encoded.chunks])
+            return encoded
+        raise AssertionError("encode_items yields one record per item")
+
+
+def descriptor_codec(encoded: EncodedItem) -> str:
+    """The codec named in an item's ``.metadata`` descriptor: the first one doing work."""
+    from nvdcp.codecs import codec_name
+
+    ids = [c for c in encoded.header.plane_codecs if c != 0]
+    return codec_name(ids[0]) if ids else "none"
+
+
+def _dtype_code(dtype: torch.dtype, where: str) -> int:
+    try:
+        return dtype_code(dtype)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
+# -- the documented, closable default ----------------------------------------------------------
+_SHARED: dict[tuple[EncodeConfig, GpuConfig], ItemEncoder] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_encoder(config: EncodeConfig, gpu: GpuConfig) -> ItemEncoder:
+    """The process-wide encoder for these settings: writers made per save share its GPU
+    encoders and pinned pool. :func:`close_shared_encoders` (and :func:`nvdcp.release_resources`)
+    frees them; the next save builds them again."""
+    with _SHARED_LOCK:
+        if (config, gpu) not in _SHARED:
+            _SHARED[(config, gpu)] = ItemEncoder(config, gpu)
+        return _SHARED[(config, gpu)]
+
+
+def close_shared_encoders() -> None:
+    """Close and forget every shared encoder."""
+    with _SHARED_LOCK:
+        encoders = list(_SHARED.values())
+        _SHARED.clear()
+    for encoder in encoders:
+        encoder.close()
+
+
+__all__ = ["ItemData", "ItemEncoder", "close_shared_encoders", "descriptor_codec", "shared_encoder"]

@@ -1,0 +1,40 @@
+"""Tensor <-> bytes helpers shared by the encoder, the stager, the converter and the tests."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of ``t``'s elements in row-major order (copies only non-contiguous views)."""
+    flat = t.contiguous().reshape(-1)
+    if flat.stride(0) != 1:  # "contiguous" size-1 tensors may keep an odd stride
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8)
+
+
+def plain(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` detached, with lazy conjugation and negation materialized (what is stored)."""
+    return tensor.detach().resolve_conj().resolve_neg()
+
+
+def tensor_to_host_bytes(tensor: torch.Tensor) -> np.ndarray:
+    """The tensor's elements as a flat uint8 array on the host, copying only the view's data."""
+    t = plain(tensor)
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.numel() == 0:
+        return np.empty(0, dtype=np.uint8)
+    return flat_bytes(t).numpy()
+
+
+def tensor_nbytes(shape: tuple[int, ...] | list[int] | torch.Size, dtype: torch.dtype) -> int:
+    """Bytes of a tensor of ``shape`` and ``dtype``."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    return numel * dtype.itemsize
+
+
+__all__ = ["flat_bytes", "plain", "tensor_nbytes", "tensor_to_host_bytes"]
