@@ -24,11 +24,12 @@ import torch
 
 from nvdcp.codecs import GPU_ONLY, cpu_codec
 from nvdcp.errors import CodecUnavailableError, CorruptCheckpointError
-from nvdcp.format.dtypes import dtype_code
-from nvdcp.format.header import DEFAULT_CHUNK_BYTES, KIND_TENSOR
+from nvdcp.format.header import DEFAULT_CHUNK_BYTES
 from nvdcp.gpu import gpu_available
-from nvdcp.pipeline.cpu import decode_item, encode_item
-from nvdcp.pipeline.policy import choose_layout
+from nvdcp.pipeline.config import EncodeConfig
+from nvdcp.pipeline.cpu import decode_item
+from nvdcp.pipeline.encoder import ItemEncoder
+from nvdcp.pipeline.tensors import tensor_to_host_bytes
 
 SCHEMA = "nvdcp.codec_bench/1"
 CPU_CODECS = ("none", "zstd", "gdeflate")
@@ -161,72 +162,68 @@ def checkpoint_tensors(path: str, storage_options: dict[str, Any] | None) -> Ite
 
 # -- codecs ------------------------------------------------------------------------------------
 class _CpuRunner:
-    """The writer's CPU path: items one after another, the chunks of each on every core."""
+    """The writer's CPU path (:class:`~nvdcp.pipeline.encoder.ItemEncoder`): items one after
+    another, the chunks of each on every core."""
 
     device = "cpu"
 
-    def __init__(self, codec: str, pool: ThreadPoolExecutor, chunk_bytes: int) -> None:
+    def __init__(self, codec: str, pool: ThreadPoolExecutor, chunk_bytes: int, threads: int | None) -> None:
         cpu_codec(codec)  # raises CodecUnavailableError when its library is missing
-        self.codec, self.pool, self.chunk_bytes = codec, pool, chunk_bytes
+        self.codec, self.pool = codec, pool
+        self.encoder = ItemEncoder(EncodeConfig(codec, chunk_bytes, threads))
 
     def run(self, batch: list[torch.Tensor]) -> tuple[int, float, float]:
         """Encode and decode ``batch``; returns (stored bytes, encode s, decode s)."""
         stored, enc_s, dec_s = 0, 0.0, 0.0
         for t in batch:
-            raw = t.contiguous().reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
-            layout = choose_layout(t.dtype, self.codec)
             t0 = time.perf_counter()
-            enc = encode_item(raw, kind=KIND_TENSOR, dtype_code=dtype_code(t.dtype), shape=tuple(t.shape),
-                              element_size=t.element_size(), layout=layout, pool=self.pool,
-                              chunk_bytes=self.chunk_bytes)
+            enc = self.encoder.encode_tensor(t, f"codec {self.codec}")
             enc_s += time.perf_counter() - t0
             record = b"".join([enc.header_bytes, *enc.chunks])  # the writer streams the parts instead
             t1 = time.perf_counter()
             _, back = decode_item(memoryview(record), self.codec, self.pool, t.element_size())
             dec_s += time.perf_counter() - t1
-            if not np.array_equal(back, raw):
+            if not np.array_equal(back, tensor_to_host_bytes(t)):
                 raise CorruptCheckpointError(f"codec {self.codec}: round trip is not bit-exact")
             stored += len(record)
         return stored, enc_s, dec_s
 
+    def close(self) -> None:
+        self.encoder.close()
+
 
 class _GpuRunner:
     """The writer's and reader's GPU path: one batched nvCOMP encode over many items (as the
-    writer hands a data file's items to one ``GpuEncoder.encode``), one ``decode_many`` back.
-    Times include the device->host copies and host CRC32Cs of encoding, and the host->device
-    copies of decoding, as in a save and a load."""
+    writer hands a data file's items to :meth:`ItemEncoder.encode_gpu_jobs`), one ``decode_many``
+    back. Times include the device->host copies and host CRC32Cs of encoding, and the
+    host->device copies of decoding, as in a save and a load."""
 
     device = "cuda"
 
     def __init__(self, codec: str, pool: ThreadPoolExecutor, chunk_bytes: int) -> None:
         from nvdcp.gpu.config import GpuConfig
         from nvdcp.gpu.decoder import GpuDecoder
-        from nvdcp.gpu.encoder import GpuEncoder
 
-        self.codec, self.chunk_bytes = codec, chunk_bytes
+        self.codec = codec
         self.dev = torch.device("cuda", torch.cuda.current_device())
-        budget = GpuConfig().gpu_budget(self.dev)
-        self.encoder = GpuEncoder(self.dev, chunk_bytes=chunk_bytes, budget_bytes=budget, gdeflate_type=0)
-        self.decoder = GpuDecoder(self.dev, budget_bytes=budget)
+        self.encoder = ItemEncoder(EncodeConfig(codec, chunk_bytes), GpuConfig())
+        self.decoder = GpuDecoder(self.dev, budget_bytes=GpuConfig().gpu_budget(self.dev))
+
+    def close(self) -> None:
+        self.encoder.close()
 
     def run(self, batch: list[torch.Tensor]) -> tuple[int, float, float]:
         from nvdcp.format.header import parse_item_header
         from nvdcp.gpu.decoder import DecodeRequest
-        from nvdcp.gpu.encoder import GpuJob
 
-        jobs = []
         batch = [t for t in batch if t.numel()]  # nothing to compress (and nvCOMP takes no empty batch)
         if not batch:
             return 0, 0.0, 0.0
-        for k, t in enumerate(batch):
-            src = t.to(self.dev).contiguous()
-            flat = src.reshape(-1).view(torch.uint8) if src.numel() else torch.empty(0, dtype=torch.uint8, device=self.dev)
-            layout = choose_layout(t.dtype, self.codec, auto_codec=self.codec)
-            jobs.append(GpuJob(k, flat, layout, t.dtype, dtype_code(t.dtype), tuple(t.shape)))
+        jobs = [self.encoder.gpu_job(k, t.to(self.dev), f"codec {self.codec}") for k, t in enumerate(batch)]
         torch.cuda.synchronize(self.dev)
         records: dict[int, bytes] = {}
         t0 = time.perf_counter()
-        for job, enc in self.encoder.encode(jobs):
+        for job, enc in self.encoder.encode_gpu_jobs(jobs):
             # on the host, as the writer has it (the chunks are views of a reused pinned buffer)
             records[job.key] = b"".join([enc.header_bytes, *enc.chunks])
         t1 = time.perf_counter()
@@ -288,7 +285,7 @@ def run_bench(
     for codec in wanted:
         if codec in CPU_CODECS:
             try:
-                runners.append(_CpuRunner(codec, pool, chunk_bytes))
+                runners.append(_CpuRunner(codec, pool, chunk_bytes, threads))
             except CodecUnavailableError as exc:
                 result.skipped[f"{codec}@cpu"] = str(exc)
         elif codec not in GPU_CODECS:
@@ -313,6 +310,8 @@ def run_bench(
             if progress:
                 progress(k + 1, len(runners))
     finally:
+        for runner in runners:
+            runner.close()
         pool.shutdown()
     return result
 

@@ -249,10 +249,10 @@ class NvcompReader(StorageReader):
         t1 = time.perf_counter()
         dtype, shape = self._expected(index)
         element_size = _element_size(dtype)
-        header, raw = decode_item(memoryview(record), where, self._codec_pool(), element_size)
+        header, host_raw = decode_item(memoryview(record), where, self._codec_pool(), element_size)
         self._check_against_metadata(header, dtype, shape, element_size, where)
         report.add(header.raw_nbytes, length, read_s=t1 - t0, decode_s=time.perf_counter() - t1)
-        return header, raw
+        return header, host_raw
 
     def _load_gpu_batch(
         self, indexes: list[MetadataIndex], device: torch.device, report: Report

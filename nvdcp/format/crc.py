@@ -70,7 +70,7 @@ def checksum_ranges(buf: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, t
         fn(buf.ctypes.data, offsets.ctypes.data_as(_I64_P), lengths.ctypes.data_as(_I64_P), len(offsets),
            out.ctypes.data_as(_U32_P), threads or _default_threads())
         return out
-    view = memoryview(buf)
+    view = buf.data
     for i, (off, n) in enumerate(zip(offsets.tolist(), lengths.tolist())):
         out[i] = crc32c.crc32c(view[off : off + n])
     return out

@@ -122,7 +122,7 @@ class GpuDecoder:
         n = sum(seg.slots for seg in segments)
         staging = self.pinned.acquire(n * stride)
         try:
-            host = memoryview(staging.numpy())
+            host = staging.numpy().data
             raw_sizes: list[int] = []
             groups: dict[tuple[str, str | None], list[int]] = {}
             raw_slots: list[int] = []
@@ -206,7 +206,8 @@ def _slot_stride(chunk_bytes: int) -> int:
 
 def _check_crcs(staging: np.ndarray, c: int, segments: list[_Segment]) -> None:
     """Every staged chunk's CRC32C against its header (one batched call for the whole pass)."""
-    stored, expected = [], []
+    stored: list[int] = []
+    expected: list[int] = []
     for seg in segments:
         chunks = seg.req.header.chunks[seg.first * seg.req.header.n_planes : seg.last * seg.req.header.n_planes]
         stored.extend(size for size, _ in chunks)

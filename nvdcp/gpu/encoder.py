@@ -113,7 +113,7 @@ class HostBucket:
         views: list[memoryview] = []
         offsets, stored = self.offsets.tolist(), self.stored.tolist()
         for host, lo, hi in self.runs:
-            mv = memoryview(host.numpy()) if host.numel() else memoryview(b"")
+            mv = host.numpy().data if host.numel() else memoryview(b"")
             a = offsets[lo]
             views.extend(mv[offsets[i] - a : offsets[i] - a + stored[i]] for i in range(lo, hi))
         return views

@@ -177,7 +177,7 @@ def decode_item(
     for size, _ in header.chunks:
         offsets.append(offsets[-1] + size)
     buf = np.empty(header.raw_nbytes, dtype=np.uint8)
-    out = memoryview(buf)
+    out = buf.data
     n = len(header.chunks)
     per = max(1, _GROUP_BYTES // header.chunk_bytes)
     spans = [(s, min(n, s + per)) for s in range(0, n, per)]

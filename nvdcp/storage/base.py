@@ -7,6 +7,7 @@ ranges. Every backend passes the same conformance suite (tests/storage/test_conf
 
 from __future__ import annotations
 
+import builtins
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
@@ -110,7 +111,7 @@ class Storage(ABC):
     def delete(self, names: Iterable[str]) -> None:
         """Delete objects; names that are already gone are ignored."""
 
-    def list_children(self) -> list[str]:
+    def list_children(self) -> builtins.list[str]:
         """Names of the sub-locations directly under the root (checkpoints of a run)."""
         raise NotImplementedError(f"{type(self).__name__} cannot list sub-locations")
 

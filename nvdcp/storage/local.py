@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import errno
 import os
 import uuid
@@ -228,7 +229,7 @@ class LocalStorage(Storage):
         except FileNotFoundError:
             return []
 
-    def list_children(self) -> list[str]:
+    def list_children(self) -> builtins.list[str]:
         try:
             return sorted(n for n in os.listdir(self.root) if os.path.isdir(os.path.join(self.root, n)))
         except FileNotFoundError:

@@ -491,7 +491,7 @@ class S3Storage(Storage):
 
         return sorted(self.call("ListObjectsV2", self.url, pages))
 
-    def list_children(self) -> list[str]:
+    def list_children(self) -> builtins.list[str]:
         """Sub-prefixes directly under the root (one checkpoint each), without the trailing ``/``."""
         lead = f"{self.prefix}/" if self.prefix else ""
 
