@@ -29,7 +29,7 @@ class MissingDataFileError(CorruptCheckpointError, FileNotFoundError):
 
 
 class FormatVersionError(NvdcpError, ValueError):
-    """The checkpoint was written by a newer, unknown version of the container format or a codec."""
+    """The checkpoint was written by a newer, unknown version of the container format."""
 
 
 class UnknownCodecError(NvdcpError, ValueError):

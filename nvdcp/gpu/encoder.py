@@ -304,6 +304,10 @@ class GpuEncoder:
         with torch.cuda.stream(stream):
             arena = torch.empty(max(end, g), dtype=torch.uint8, device=self.device)
             slots = arena[: bucket.slots * c].view(bucket.slots, c)
+            # nvCOMP's GDeflate leaves some bytes of its output unwritten (measured on the H200:
+            # 136 bytes of a 256x256 fp32 record followed what the buffer held before): zeroed
+            # output slots keep records byte-reproducible and no stale device memory in a file.
+            arena[bucket.slots * c :].zero_()
             self._split_planes(jobs, bucket, slots)
             for grp, (name, data_type) in zip(groups, keys):
                 codec, cap = self.codecs[parity].get(name, data_type)

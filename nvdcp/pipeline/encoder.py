@@ -119,8 +119,10 @@ class ItemEncoder:
     # -- the CPU path --------------------------------------------------------------------------
     def encode_bytes(self, data: io.BytesIO | bytes | bytearray | memoryview | np.ndarray) -> EncodedItem:
         """Encode a BYTE_IO item (always with a CPU-decodable codec)."""
-        buf = data.getbuffer() if isinstance(data, io.BytesIO) else data
-        raw = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf
+        if isinstance(data, np.ndarray):
+            raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)  # any dtype: its bytes
+        else:
+            raw = np.frombuffer(data.getbuffer() if isinstance(data, io.BytesIO) else data, dtype=np.uint8)
         return encode_item(
             raw, kind=KIND_BYTES, dtype_code=0, shape=(), element_size=1,
             layout=choose_layout(None, self.config.codec), pool=self.codec_pool(),
