@@ -41,11 +41,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 import nvdcp
-from benchmarks.common import dir_bytes, fresh_dir, markdown_table, write_results
+from benchmarks.common import dir_bytes, fresh_dir, markdown_table, pinned_peak, write_results
 from benchmarks.workload import states_equal, tensor_bytes, train_state, zeros_like_state
 from nvdcp.dcp.stager import NvcompStager
 from nvdcp.demo.model import GPTConfig
-from nvdcp.gpu.pinned import POOL
 
 MiB = 1 << 20
 
@@ -149,26 +148,28 @@ class Variant:
             self.stager.close()
             self.stager = None
 
-    def _pinned_now(self) -> int:
+    def _pinned_now(self, writer: Any) -> int:
+        encoders = pinned_peak(writer, self.stager)  # the GPU encoders' pinned pools
         if isinstance(self.stager, NvcompStager):
             buffers = self.stager._buffers
-            return (buffers.pinned_bytes if buffers is not None else 0) + POOL.peak
+            return (buffers.pinned_bytes if buffers is not None else 0) + encoders
         if isinstance(self.stager, MeasuredDefaultStager):
             self.default_stager_peak = max(self.default_stager_peak, self.stager.pinned_peak)
-            return self.default_stager_peak + POOL.peak
-        return POOL.peak
+            return self.default_stager_peak + encoders
+        return encoders
 
     def save(self, state: Any, path: str) -> tuple[float, float]:
         """One save; returns (blocked_s, durable_s)."""
         sync()
+        writer = self.writer(path)
         t0 = time.perf_counter()
         if self.sync_save:
-            dcp.save(state, storage_writer=self.writer(path))
+            dcp.save(state, storage_writer=writer)
             sync()
             done = time.perf_counter() - t0
-            self.peak_pinned = max(self.peak_pinned, self._pinned_now())
+            self.peak_pinned = max(self.peak_pinned, self._pinned_now(writer))
             return done, done
-        response = dcp.async_save(state, storage_writer=self.writer(path), async_stager=self._stager())
+        response = dcp.async_save(state, storage_writer=writer, async_stager=self._stager())
         if isinstance(response, Future):
             upload = response
         else:  # AsyncSaveResponse: staging runs in the background too
@@ -178,14 +179,13 @@ class Variant:
         next_step(state)
         upload.result()
         durable = time.perf_counter() - t0
-        self.peak_pinned = max(self.peak_pinned, self._pinned_now())
+        self.peak_pinned = max(self.peak_pinned, self._pinned_now(writer))
         return blocked, durable
 
 
 def run(variant: Variant, state: Any, root: str, saves: int) -> dict[str, Any]:
     path = fresh_dir(os.path.join(root, variant.name.replace(" ", "_").replace("/", "_")))
-    POOL.trim()
-    POOL.peak = POOL.allocated
+    nvdcp.release_resources()  # earlier variants' pinned pools: freed, so this variant's peak is its own
     blocked, durable = [], []
     want = None
     for i in range(saves):

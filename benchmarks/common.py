@@ -71,6 +71,25 @@ def command_line() -> str:
     return " ".join([Path(sys.executable).name, *argv])
 
 
+def pinned_peak(*owners: Any) -> int:
+    """Peak pinned bytes of the pools behind these nvdcp writers, stagers (their encoder's pool)
+    and readers (the shared pool of their ``pinned_memory_bytes``), each pool counted once; other
+    objects count 0. Pools outlive a save: call :func:`nvdcp.release_resources` first for a
+    fresh peak."""
+    import nvdcp
+    from nvdcp.gpu.pinned import shared_pool
+
+    pools = {}
+    for owner in owners:
+        if isinstance(owner, nvdcp.NvcompReader):
+            pinned = shared_pool(owner.gpu.pinned_memory_bytes)
+        else:
+            pinned = getattr(getattr(owner, "encoder", None), "pinned", None)
+        if pinned is not None:
+            pools[id(pinned)] = pinned
+    return sum(p.peak for p in pools.values())
+
+
 def write_results(name: str, payload: dict[str, Any], out_dir: str | os.PathLike[str] | None = None) -> Path:
     day = datetime.date.today().isoformat()
     payload = {"date": day, "machine": machine(), "command": command_line(), **payload}

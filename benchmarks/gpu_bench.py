@@ -22,11 +22,17 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import nvdcp
-from benchmarks.common import dir_bytes, drop_page_cache, fresh_dir, markdown_table, write_results
+from benchmarks.common import (
+    dir_bytes,
+    drop_page_cache,
+    fresh_dir,
+    markdown_table,
+    pinned_peak,
+    write_results,
+)
 from benchmarks.workload import states_equal, tensor_bytes, to_bf16, train_state, zeros_like_state
 from nvdcp.demo.model import GPTConfig
 from nvdcp.gpu.config import GpuConfig
-from nvdcp.gpu.pinned import POOL
 
 sync = torch.cuda.synchronize
 
@@ -97,24 +103,36 @@ def stock_zstd_writer(path: str, threads: int) -> Any:
     return dcp.FileSystemWriter(path, thread_count=threads, _extensions=[ZStandard()])
 
 
+def save(state: Any, writer: Any) -> Any:
+    dcp.save(state, storage_writer=writer)
+    return writer
+
+
+def load(state: Any, reader: Any) -> Any:
+    dcp.load(state, storage_reader=reader)
+    return reader
+
+
 def run_variant(name: str, state: Any, root: str, save_fn: Any, load_fn: Any) -> dict[str, Any]:
+    """``save_fn(state, path)`` and ``load_fn(state, path)`` return the writer and reader they used
+    (their pinned pools are measured) or None."""
     path = fresh_dir(os.path.join(root, name.replace(" ", "_")))
     sync()
     base_mem = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    POOL.trim()
-    POOL.peak = POOL.allocated
-    save_s = timed_sync(lambda: save_fn(state, path))
+    nvdcp.release_resources()  # earlier variants' pinned pools: freed, so this variant's peak is its own
+    used: list[Any] = []
+    save_s = timed_sync(lambda: used.append(save_fn(state, path)))
     peak_gpu = torch.cuda.max_memory_allocated() - base_mem
     stored = dir_bytes(path)
     cache_dropped = drop_page_cache()
     target = zeros_like_state(state)
     sync()
-    load_s = timed_sync(lambda: load_fn(target, path))
+    load_s = timed_sync(lambda: used.append(load_fn(target, path)))
     exact = states_equal(state, target)
     del target
     return {"writer": name, "bytes": stored, "save_s": round(save_s, 3), "load_s": round(load_s, 3),
-            "peak_extra_gpu_MiB": round(peak_gpu / 2**20, 1), "peak_pinned_MiB": round(POOL.peak / 2**20, 1),
+            "peak_extra_gpu_MiB": round(peak_gpu / 2**20, 1), "peak_pinned_MiB": round(pinned_peak(*used) / 2**20, 1),
             "bit_exact": exact, "page_cache_dropped": cache_dropped}
 
 
@@ -185,16 +203,16 @@ def main() -> None:
     for label, st in (("fp32_adamw", state), ("bf16", to_bf16(state))):
         raw = tensor_bytes(st)
         variants = [
-            ("stock t1", lambda s, p: dcp.save(s, storage_writer=dcp.FileSystemWriter(p, thread_count=1)),
-             lambda s, p: dcp.load(s, storage_reader=dcp.FileSystemReader(p))),
-            ("stock t4", lambda s, p: dcp.save(s, storage_writer=dcp.FileSystemWriter(p, thread_count=4)),
-             lambda s, p: dcp.load(s, storage_reader=dcp.FileSystemReader(p))),
-            ("stock+ZStandard t1", lambda s, p: dcp.save(s, storage_writer=stock_zstd_writer(p, 1)),
-             lambda s, p: dcp.load(s, storage_reader=dcp.FileSystemReader(p))),
-            ("nvdcp t1", lambda s, p: dcp.save(s, storage_writer=nvdcp.NvcompWriter(p, thread_count=1)),
-             lambda s, p: dcp.load(s, storage_reader=nvdcp.NvcompReader(p))),
-            ("nvdcp t4", lambda s, p: dcp.save(s, storage_writer=nvdcp.NvcompWriter(p, thread_count=4)),
-             lambda s, p: dcp.load(s, storage_reader=nvdcp.NvcompReader(p))),
+            ("stock t1", lambda s, p: save(s, dcp.FileSystemWriter(p, thread_count=1)),
+             lambda s, p: load(s, dcp.FileSystemReader(p))),
+            ("stock t4", lambda s, p: save(s, dcp.FileSystemWriter(p, thread_count=4)),
+             lambda s, p: load(s, dcp.FileSystemReader(p))),
+            ("stock+ZStandard t1", lambda s, p: save(s, stock_zstd_writer(p, 1)),
+             lambda s, p: load(s, dcp.FileSystemReader(p))),
+            ("nvdcp t1", lambda s, p: save(s, nvdcp.NvcompWriter(p, thread_count=1)),
+             lambda s, p: load(s, nvdcp.NvcompReader(p))),
+            ("nvdcp t4", lambda s, p: save(s, nvdcp.NvcompWriter(p, thread_count=4)),
+             lambda s, p: load(s, nvdcp.NvcompReader(p))),
             ("naive nvCOMP ANS per tensor", naive_nvcomp_save, naive_nvcomp_load),
         ]
         rows = []

@@ -27,7 +27,7 @@ def main() -> None:
     enc = GpuEncoder(device, chunk_bytes=65536, budget_bytes=GpuConfig().gpu_budget(device), gdeflate_type=0)
     for rep in range(3):
         totals: dict[str, float] = {}
-        sink = _PooledSink()
+        sink = _PooledSink(enc.pinned)
         torch.cuda.synchronize()
         t_all = time.perf_counter()
         clock = time.perf_counter()

@@ -27,11 +27,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.filesystem import (
-    CURRENT_DCP_VERSION,
-    _StorageInfo,
-    _StorageReaderTransforms,
-)
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     MetadataIndex,
@@ -199,7 +195,6 @@ class Source:
         self.reader.set_up_storage_reader(self.metadata, True)
         #: Reading and decoding (NvcompReader.load_item counts its bytes here).
         self.report = Report("read", self.storage.url)
-        self._transforms = _StorageReaderTransforms()
 
     def jobs(self) -> list[_Job]:
         """Every stored item, with what ``.metadata`` says it holds."""
@@ -239,31 +234,13 @@ class Source:
         return self._read_stock(job)
 
     def _read_stock(self, job: _Job) -> np.ndarray:
-        info = job.info
-        where = f"{self.storage.describe(info.relative_path)} @ {info.offset} item {describe_index(job.index)}"
+        """A stock item through the reader's stock path (nvdcp.dcp.stock_items): fetched,
+        transforms undone, ``torch.load``'ed and checked against .metadata."""
         t0 = time.perf_counter()
-        record = self.storage.read_range(info.relative_path, info.offset, info.length)
+        item = self.reader.load_stock_item(job.index)
         t1 = time.perf_counter()
-        stream: Any = io.BytesIO(record)
-        if info.transform_descriptors:
-            try:
-                stream = io.BytesIO(self._transforms.transform_load_stream(None, info.transform_descriptors, stream).read())  # type: ignore[arg-type]
-            except ValueError as exc:
-                raise CorruptCheckpointError(
-                    f"{where}: cannot undo descriptors {list(info.transform_descriptors)}: {exc}"
-                ) from exc
-        if job.dtype is None:
-            raw = np.frombuffer(stream.getbuffer(), dtype=np.uint8)
-        else:
-            try:
-                tensor = torch.load(stream, map_location="cpu", weights_only=True)
-            except Exception as exc:  # torch.load raises many types on bad input
-                raise CorruptCheckpointError(f"{where}: not a torch.save'd tensor: {exc}") from exc
-            if not isinstance(tensor, torch.Tensor) or tensor.dtype != job.dtype or tuple(tensor.shape) != job.shape:
-                got = f"{tensor.dtype} {tuple(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-                raise CorruptCheckpointError(f"{where}: holds {got}, .metadata says {job.dtype} {job.shape}")
-            raw = tensor_to_host_bytes(tensor)
-        self.report.add(job.raw_nbytes, info.length, read_s=t1 - t0, decode_s=time.perf_counter() - t1)
+        raw = tensor_to_host_bytes(item) if isinstance(item, torch.Tensor) else np.frombuffer(item, dtype=np.uint8)
+        self.report.add(job.raw_nbytes, job.info.length, read_s=t1 - t0, decode_s=time.perf_counter() - t1)
         return raw
 
 

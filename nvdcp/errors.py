@@ -49,8 +49,12 @@ class StorageError(NvdcpError, OSError):
     """An I/O failure of the storage backend (disk full, permission denied, network failure)."""
 
 
-class CheckpointExistsError(NvdcpError, FileExistsError):
-    """The target location already holds a checkpoint and overwriting was not allowed."""
+class CheckpointExistsError(NvdcpError, FileExistsError, RuntimeError):
+    """The target location already holds a checkpoint and overwriting was not allowed.
+
+    Also a ``RuntimeError``: what torch's ``FileSystemWriter(overwrite=False)`` raises there, so
+    code written against stock DCP catches it unchanged.
+    """
 
 
 class NotACheckpointDirectoryError(NvdcpError, NotADirectoryError):

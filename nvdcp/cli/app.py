@@ -291,24 +291,51 @@ def verify(path: str, as_json: bool, checksums_only: bool, threads: int | None, 
 @cli.command()
 @click.argument("src", metavar="SRC")
 @click.argument("dst", metavar="DST")
-@click.option("--to", "to", type=click.Choice(["nvdcp", "stock"]), default="nvdcp", show_default=True,
-              help="Output format: nvdcp (compressed) or stock DCP (torch's FileSystemWriter layout).")
+@click.option("--to", "to", type=click.Choice(["nvdcp", "stock", "safetensors"]), default="nvdcp", show_default=True,
+              help="Output format: nvdcp (compressed), stock DCP (torch's FileSystemWriter layout) or "
+              "safetensors (consolidated Hugging Face files + model.safetensors.index.json, in a local directory).")
 @click.option("--codec", default="auto", show_default=True,
               help="Codec of nvdcp output: auto, zstd, gdeflate, none (ans, bitcomp need a GPU).")
 @click.option("--max-memory", default="1GiB", show_default=True, callback=_size,
               help="Bytes of items in flight at once (e.g. 512MiB, 2GB).")
 @click.option("--threads", type=click.IntRange(1, 64), default=2, show_default=True, help="Items converted at once.")
-@click.option("--overwrite", is_flag=True, help="Replace a checkpoint already at DST.")
+@click.option("--prefix", default=None, metavar="TEXT",
+              help="safetensors: keep only the keys starting with TEXT (e.g. model. for the weights, not the optimizer).")
+@click.option("--dtype", "dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
+              help="safetensors: cast floating point tensors to this type (integer and bool tensors keep theirs).")
+@click.option("--max-shard-size", default=None, callback=_size, metavar="SIZE",
+              help="safetensors: bytes of tensor data per file  [default: 5GB, as save_pretrained]")
+@click.option("--overwrite", is_flag=True, help="Replace a checkpoint (for safetensors: the safetensors files) at DST.")
 @json_option
 @progress_option
 @click.option("--src-option", "src_opts", multiple=True, metavar="KEY=VALUE", help="Storage option of SRC (repeatable).")
 @click.option("--dst-option", "dst_opts", multiple=True, metavar="KEY=VALUE", help="Storage option of DST (repeatable).")
-def convert(src: str, dst: str, to: str, codec: str, max_memory: int, threads: int, overwrite: bool,
-            as_json: bool, progress: bool | None, src_opts: tuple[str, ...], dst_opts: tuple[str, ...]) -> None:
+def convert(src: str, dst: str, to: str, codec: str, max_memory: int, threads: int, prefix: str | None,
+            dtype: str | None, max_shard_size: int | None, overwrite: bool, as_json: bool, progress: bool | None,
+            src_opts: tuple[str, ...], dst_opts: tuple[str, ...]) -> None:
     """Convert SRC into DST: stock DCP -> nvdcp, nvdcp -> stock DCP (--to stock), or nvdcp ->
     nvdcp with another codec. Item by item within --max-memory; one stored chunk stays one
     stored chunk (the sharding is kept); the result loads bit-exactly, stock output with
-    torch's FileSystemReader and no nvdcp installed."""
+    torch's FileSystemReader and no nvdcp installed.
+
+    --to safetensors writes the tensors of any nvdcp or stock checkpoint, each consolidated
+    from its shards, as model-0000i-of-0000K.safetensors files and model.safetensors.index.json
+    (Hugging Face's layout), optionally only those under --prefix and cast to --dtype; byte
+    items are skipped and listed."""
+    if to != "safetensors":
+        for name, value in (("--prefix", prefix), ("--dtype", dtype), ("--max-shard-size", max_shard_size)):
+            if value is not None:
+                raise click.BadParameter(f"{name} applies to --to safetensors only", param_hint=f"'{name}'")
+    else:
+        if codec != "auto":
+            raise click.BadParameter("--codec applies to nvdcp output; safetensors data is uncompressed",
+                                     param_hint="'--codec'")
+        if dst_opts:
+            raise click.BadParameter("safetensors output goes to a local directory; it takes no storage options",
+                                     param_hint="'--dst-option'")
+        _export_safetensors(src, dst, max_memory, threads, prefix, dtype, max_shard_size, overwrite, as_json,
+                            progress, src_opts)
+        return
     from nvdcp.convert import ConvertOptions, convert_checkpoint
 
     if to == "stock" and codec != "auto":
@@ -336,6 +363,47 @@ def convert(src: str, dst: str, to: str, codec: str, max_memory: int, threads: i
         f"  phases (summed over threads): " + " ".join(f"{k}={v:.3f}s" for k, v in sorted(r.phases.items())),
         soft_wrap=True, markup=False,
     )
+
+
+def _export_safetensors(src: str, dst: str, max_memory: int, threads: int, prefix: str | None, dtype: str | None,
+                        max_shard_size: int | None, overwrite: bool, as_json: bool, progress: bool | None,
+                        src_opts: tuple[str, ...]) -> None:
+    from nvdcp.export_safetensors import DEFAULT_MAX_SHARD_SIZE, INDEX_NAME, export_safetensors
+
+    if max_memory < 1 << 20:
+        raise click.BadParameter(f"max_memory must be at least 1 MiB, got {max_memory}", param_hint="'--max-memory'")
+    if max_shard_size is not None and max_shard_size < 1:
+        raise click.BadParameter("must be positive", param_hint="'--max-shard-size'")
+    with _ui.progress_bar("export", 0, _ui.show_progress(progress), unit="bytes") as update:
+        result = export_safetensors(
+            src, dst, max_memory=max_memory, max_shard_size=max_shard_size or DEFAULT_MAX_SHARD_SIZE, prefix=prefix,
+            dtype=dtype, storage_options=_storage_options(src_opts), threads=threads, overwrite=overwrite,
+            progress=lambda done, total: update(done, total),
+        )
+    if as_json:
+        _ui.print_json(result.as_dict())
+        return
+    r = result.report
+    files = result.files
+    names = files[0].name if len(files) == 1 else f"{files[0].name} .. {files[-1].name}"
+    lines = [
+        f"exported {result.source} ({result.source_format}) -> {result.destination} (safetensors"
+        + (f", {result.dtype}" if result.dtype else "") + ")",
+        f"  {_plural(result.tensors, 'tensor')}, {human(result.total_size)} in {_plural(len(files), 'file')} "
+        f"({names}) + {INDEX_NAME}, {r.seconds:.2f}s "
+        f"({result.source_raw_bytes / r.seconds / 1e9 if r.seconds else 0:.2f} GB/s)",
+    ]
+    if result.prefix is not None:
+        lines.append(f"  prefix {result.prefix!r}: {result.excluded} other items left out")
+    if result.streamed:
+        lines.append(f"  streamed chunk by chunk (larger than a quarter of --max-memory): {', '.join(result.streamed)}")
+    if result.skipped:
+        shown = [f"{k} ({v})" for k, v in list(result.skipped.items())[:8]]
+        more = len(result.skipped) - len(shown)
+        lines.append(f"  skipped {_plural(len(result.skipped), 'item')} with no safetensors form: {', '.join(shown)}"
+                     + (f" and {more} more" if more > 0 else ""))
+    lines.append("  phases (summed over threads): " + " ".join(f"{k}={v:.3f}s" for k, v in sorted(r.phases.items())))
+    out.print("\n".join(lines), soft_wrap=True, markup=False)
 
 
 # -- bench -------------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ from nvdcp.codecs.base import Buffer, Codec
 
 #: Level 1 with its large-input parameters (min_match 7, fast strategy). On the sign+exponent
 #: plane of bf16 weights it compressed 2.75x at ~0.3 GB/s a core, against 2.43x for level 3
-#: and 2.45x for level 9 (this CPU machine, benchmarks/codec_levels.py): on near-iid bytes,
+#: and 2.45x for level 9 (the project's 2-core CPU machine, a level sweep run once and not kept; `nvdcp bench` measures
+#: the chosen level): on near-iid bytes,
 #: short matches cost more than the Huffman-coded literals they replace.
 DEFAULT_LEVEL = 1
 

@@ -6,7 +6,8 @@ the dataclasses and enums *defined in* ``torch.distributed.checkpoint.metadata``
 ``.filesystem``, torch dtypes, layouts, memory formats and ``torch.Size``, ``OrderedDict``, sets
 (and ``copyreg._reconstructor`` on ``object``, which protocols 0 and 1 use to build them).
 Nothing callable beyond those constructors (no ``getattr``, no dotted names, no functions
-imported into those modules) is reachable. Before unpickling, the opcodes are walked once so a
+imported into those modules) is reachable. ``allow_paths`` (what :class:`~nvdcp.NvcompReader`
+and the CLI use) also admits ``pathlib`` paths, the one other type a stock ``.metadata`` holds. Before unpickling, the opcodes are walked once so a
 damaged memo index cannot make the C unpickler allocate gigabytes. That narrows, but does not
 replace, the rule to load only checkpoints you trust (docs/SECURITY.md).
 """
@@ -18,6 +19,7 @@ import dataclasses
 import enum
 import io
 import math
+import os
 import pickle
 import pickletools
 from typing import Any
@@ -54,8 +56,24 @@ def _reconstructor(cls: type, base: type, state: Any) -> Any:
     return copyreg._reconstructor(cls, base, state)  # type: ignore[attr-defined]
 
 
-#: Stock FileSystemWriter pickles ``storage_meta.checkpoint_id`` as a path; paths are inert.
-_PATHS = frozenset(("pathlib", n) for n in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"))
+#: Stock FileSystemWriter pickles ``storage_meta.checkpoint_id`` as a ``pathlib`` path; building
+#: one handles strings and nothing else (no file system access). Python 3.13 pickles them from
+#: ``pathlib._local``.
+_PATH_MODULES = frozenset({"pathlib", "pathlib._local"})
+_PATH_NAMES = frozenset({"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path", "PurePath"})
+
+
+def _path_class(name: str) -> type:
+    """The ``pathlib`` class ``name``; a concrete path of the other OS (a checkpoint written on
+    Windows read on Linux) becomes its pure flavour, which can be built anywhere."""
+    import pathlib
+
+    if name == "WindowsPath" and os.name != "nt":
+        name = "PureWindowsPath"
+    elif name == "PosixPath" and os.name == "nt":
+        name = "PurePosixPath"
+    cls: type = getattr(pathlib, name)
+    return cls
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -64,8 +82,8 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         import torch
 
-        if self.allow_paths and (module, name) in _PATHS:
-            return super().find_class(module, name)
+        if self.allow_paths and module in _PATH_MODULES and name in _PATH_NAMES:
+            return _path_class(name)
 
         # A dotted name walks attributes (pickle protocol 4): ``<allowed module>.os.system``.
         if not name.isidentifier():

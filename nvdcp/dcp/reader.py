@@ -1,9 +1,15 @@
-"""``NvcompReader``: a DCP StorageReader for checkpoints written by :class:`NvcompWriter`.
+"""``NvcompReader``: a DCP StorageReader for checkpoints written by :class:`NvcompWriter`, by
+torch's ``FileSystemWriter`` / ``FsspecWriter`` (stock DCP), or a mix of both.
 
 For each stored item the load plan needs, it fetches exactly that item's byte range, checks the
 header and every chunk's CRC32C, decodes, narrows the stored chunk to the requested region
 (resharded loads) and commits it through the planner. Items are fetched and decoded on a thread
 pool with a bounded window, so memory stays near ``window x largest item``.
+
+Items are routed by their ``.metadata`` record: one with an ``nvdcp.<codec>/<v>`` descriptor takes
+the path above; one without is a stock item (``torch.save`` blob, possibly through torch's stream
+transforms), loaded on the CPU by :class:`~nvdcp.dcp.stock_items.StockItemReader` and checked
+against ``.metadata`` (dtype, shape, range inside its file), then committed the same way.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -34,7 +41,8 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from nvdcp.dcp import descriptor
-from nvdcp.dcp.metadata_io import load_metadata
+from nvdcp.dcp.any_metadata import load_any_metadata
+from nvdcp.dcp.stock_items import StockItemReader, is_nvdcp_record, merge_fsspec_kwargs
 from nvdcp.errors import CorruptCheckpointError, TruncatedCheckpointError
 from nvdcp.format.dtypes import code_dtype
 from nvdcp.format.header import (
@@ -49,6 +57,7 @@ from nvdcp.gpu.config import GpuConfig
 from nvdcp.pipeline.cpu import decode_item
 from nvdcp.report import Report
 from nvdcp.storage import Storage, open_storage
+from nvdcp.storage.base import Buffer
 
 logger = logging.getLogger(__name__)
 
@@ -72,31 +81,45 @@ def narrow(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
 
 
 class NvcompReader(StorageReader):
-    """Reads an nvdcp checkpoint for ``dcp.load``; resharded loads work as with stock DCP.
+    """Reads a checkpoint for ``dcp.load``: nvdcp, stock DCP (torch's ``FileSystemWriter`` /
+    ``FsspecWriter``) or mixed; resharded loads work as with stock DCP.
+
+    A drop-in for torch's ``FileSystemReader(path, _extension_registry)`` and
+    ``FsspecReader(path, **kwargs)``: the same arguments in the same positions, then nvdcp's own,
+    keyword-only.
 
     Args:
         path: checkpoint directory or URL.
+        _extension_registry: torch's ``ExtensionRegistry`` for the stream transforms of stock
+            items (as ``FileSystemReader``'s); default: torch's own (``ZStandard``).
         thread_count: items fetched and decoded at once (default: min(8, cores)).
         codec_threads: CPU threads for decompression (default: all cores).
-        storage_options: backend options for URLs.
+        storage_options: backend options for URLs (see :func:`nvdcp.storage.open_storage`).
         gpu: GPU path settings (:class:`~nvdcp.gpu.config.GpuConfig`): items whose destination is
             on a CUDA device are decompressed there with nvCOMP; ``decode_device`` picks where
-            host destinations are decoded on a GPU machine.
+            host destinations are decoded on a GPU machine. Stock items load on the CPU.
+        **fsspec_options: ``FsspecReader``'s ``**kwargs``: fsspec options for a URL (merged into
+            ``storage_options``; an ``s3://`` URL then goes through s3fs unless ``backend`` is
+            given); ignored, with a warning, for a local path.
 
     Raises (during ``dcp.load``, wrapped by DCP in ``CheckpointException``):
         IncompleteCheckpointError: no ``.metadata`` at ``path``.
-        CorruptCheckpointError: a checksum, header or size mismatch, naming file, item and chunk.
+        CorruptCheckpointError: a checksum, header or size mismatch, naming file, item and chunk;
+            for a stock item, a blob that is not a ``torch.save``'d tensor of the dtype and shape
+            ``.metadata`` records, naming file, offset and item.
         CodecUnavailableError: an item needs a codec this machine cannot decode.
     """
 
     def __init__(
         self,
         path: str | os.PathLike[str],
+        _extension_registry: Any = None,
         *,
         thread_count: int | None = None,
         codec_threads: int | None = None,
         storage_options: dict[str, Any] | None = None,
         gpu: GpuConfig | None = None,
+        **fsspec_options: Any,
     ) -> None:
         super().__init__()
         cores = os.cpu_count() or 1
@@ -104,9 +127,11 @@ class NvcompReader(StorageReader):
         if self.thread_count < 1:
             raise ValueError(f"thread_count must be >= 1, got {thread_count}")
         self.codec_threads = codec_threads or cores
-        self.storage_options = dict(storage_options or {})
         self.path = os.fspath(path)
+        self.storage_options = merge_fsspec_kwargs("NvcompReader", self.path, storage_options, fsspec_options)
         self.storage: Storage = open_storage(self.path, **self.storage_options)
+        #: Loads stock items (records without an nvdcp descriptor).
+        self.stock = StockItemReader(_extension_registry)
         self.metadata: Metadata | None = None
         self.gpu = gpu or GpuConfig()
         self.last_report: Report | None = None
@@ -136,7 +161,8 @@ class NvcompReader(StorageReader):
         self.metadata = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = load_metadata(self.storage)
+        # Stock .metadata pickles pathlib paths (storage_meta.checkpoint_id): admitted, inert.
+        metadata = load_any_metadata(self.storage)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         return metadata
@@ -159,12 +185,18 @@ class NvcompReader(StorageReader):
         by_item: dict[MetadataIndex, list[ReadItem]] = {}
         for req in plan.items:
             by_item.setdefault(req.storage_index, []).append(req)
-        devices = {index: self._decode_device(reqs, planner) for index, reqs in by_item.items()}
+        stock = {ix for ix in by_item if not is_nvdcp_record(self._record(ix))}
+        devices = {
+            index: None if index in stock else self._decode_device(reqs, planner) for index, reqs in by_item.items()
+        }
         # Read in file order so a local disk sees sequential-ish access.
-        order = sorted(by_item, key=lambda ix: self.record_of(ix)[:2])
-        for index, header, data in self._fetch_and_decode(order, devices, report):
+        order = sorted(by_item, key=lambda ix: (self._record(ix).relative_path, self._record(ix).offset))
+        for index, header, data in self._fetch_and_decode(order, devices, stock, report):
             for req in by_item[index]:
-                self._commit(req, header, data, planner)
+                if header is None:
+                    self._commit_stock(req, data, planner)
+                else:
+                    self._commit(req, header, data, planner)
         report.seconds = time.perf_counter() - started
         self.last_report = report
         logger.info("nvdcp load %s", report.summary())
@@ -183,18 +215,41 @@ class NvcompReader(StorageReader):
         return supports_url(os.fspath(checkpoint_id))
 
     # -- internals -----------------------------------------------------------------------------
-    def record_of(self, index: MetadataIndex) -> tuple[str, int, int]:
+    def _record(self, index: MetadataIndex) -> _StorageInfo:
+        """The item's storage record, nvdcp or stock."""
         assert self.metadata is not None
         info = self.metadata.storage_data.get(index)
-        where = f"{self.storage.url} item {describe_index(index)}"
-        if info is None:
-            raise CorruptCheckpointError(f"{where}: no storage record in .metadata")
-        descriptor.parse(info, where)
+        if not isinstance(info, _StorageInfo):
+            where = f"{self.storage.url} item {describe_index(index)}"
+            if info is None:
+                raise CorruptCheckpointError(f"{where}: no storage record in .metadata")
+            raise CorruptCheckpointError(f"{where}: storage record is {type(info).__name__}, not _StorageInfo")
+        return info
+
+    def record_of(self, index: MetadataIndex) -> tuple[str, int, int]:
+        """An nvdcp item's file, offset and length (its descriptor checked)."""
+        info = self._record(index)
+        descriptor.parse(info, f"{self.storage.url} item {describe_index(index)}")
         return info.relative_path, info.offset, info.length
 
     def where(self, index: MetadataIndex) -> str:
-        name, offset, _ = self.record_of(index)
-        return f"{self.storage.describe(name)} @ {offset} item {describe_index(index)}"
+        info = self._record(index)
+        return f"{self.storage.describe(info.relative_path)} @ {info.offset} item {describe_index(index)}"
+
+    def load_stock_item(self, index: MetadataIndex, report: Report | None = None) -> torch.Tensor | Buffer:
+        """Fetch and check one stock item: a CPU tensor of the chunk's dtype and shape, or a byte
+        item's bytes (what ``dcp.save``'s planner stored: stock stores byte items raw)."""
+        info = self._record(index)
+        dtype, shape = self._expected(index)
+        t0 = time.perf_counter()
+        item = self.stock.read(
+            self.storage, info.relative_path, info.offset, info.length, info.transform_descriptors,
+            dtype, shape, self.where(index),
+        )
+        if report is not None:
+            raw = item.nbytes if isinstance(item, torch.Tensor) else memoryview(item).nbytes
+            report.add(raw, info.length, read_s=time.perf_counter() - t0)
+        return item
 
     def _expected(self, index: MetadataIndex) -> tuple[torch.dtype | None, tuple[int, ...] | None]:
         assert self.metadata is not None
@@ -349,18 +404,22 @@ class NvcompReader(StorageReader):
             raise CorruptCheckpointError(f"{where}: {header.raw_nbytes} bytes for shape {header.shape}")
 
     def _fetch_and_decode(
-        self, order: list[MetadataIndex], devices: dict[MetadataIndex, torch.device | None], report: Report
-    ) -> Iterator[tuple[MetadataIndex, ItemHeader, np.ndarray | torch.Tensor]]:
-        """Run item loads (CPU) and batch loads (GPU) on the I/O pool, a bounded window ahead."""
-        tasks: list[Callable[[], list[tuple[MetadataIndex, ItemHeader, Any]]]] = []
+        self, order: list[MetadataIndex], devices: dict[MetadataIndex, torch.device | None],
+        stock: set[MetadataIndex], report: Report,
+    ) -> Iterator[tuple[MetadataIndex, ItemHeader | None, Any]]:
+        """Run item loads (CPU, stock items too) and batch loads (GPU) on the I/O pool, a bounded
+        window ahead. A stock item comes with header None and its tensor or bytes."""
+        tasks: list[Callable[[], list[tuple[MetadataIndex, ItemHeader | None, Any]]]] = []
         for index in order:
-            if devices[index] is None:
+            if index in stock:
+                tasks.append(functools.partial(self._load_stock_task, index, report))
+            elif devices[index] is None:
                 tasks.append(functools.partial(self._load_cpu_task, index, report))
         for device, batch in self._gpu_batches([ix for ix in order if devices[ix] is not None], devices):
             tasks.append(functools.partial(self._load_gpu_batch, batch, device, report))
         window = READ_WINDOW_PER_THREAD * self.thread_count
         with ThreadPoolExecutor(self.thread_count, thread_name_prefix="nvdcp-read") as io_pool:
-            pending: list[PyFuture[list[tuple[MetadataIndex, ItemHeader, Any]]]] = []
+            pending: list[PyFuture[list[tuple[MetadataIndex, ItemHeader | None, Any]]]] = []
             try:
                 for task in tasks:
                     pending.append(io_pool.submit(task))
@@ -372,9 +431,12 @@ class NvcompReader(StorageReader):
                 for fut in pending:
                     fut.cancel()
 
-    def _load_cpu_task(self, index: MetadataIndex, report: Report) -> list[tuple[MetadataIndex, ItemHeader, Any]]:
+    def _load_cpu_task(self, index: MetadataIndex, report: Report) -> list[tuple[MetadataIndex, ItemHeader | None, Any]]:
         header, raw = self.load_item(index, report)
         return [(index, header, raw)]
+
+    def _load_stock_task(self, index: MetadataIndex, report: Report) -> list[tuple[MetadataIndex, ItemHeader | None, Any]]:
+        return [(index, None, self.load_stock_item(index, report))]
 
     @staticmethod
     def _commit(req: ReadItem, header: ItemHeader, raw: np.ndarray | torch.Tensor, planner: LoadPlanner) -> None:
@@ -384,7 +446,21 @@ class NvcompReader(StorageReader):
             return
         dtype = code_dtype(header.dtype_code, "")
         flat = raw if isinstance(raw, torch.Tensor) else torch.from_numpy(raw)
-        stored = flat.view(dtype).reshape(header.shape)
+        NvcompReader._commit_tensor(req, flat.view(dtype).reshape(header.shape), planner)
+
+    @staticmethod
+    def _commit_stock(req: ReadItem, item: torch.Tensor | Buffer, planner: LoadPlanner) -> None:
+        if req.type == LoadItemType.BYTE_IO:
+            if isinstance(item, torch.Tensor):
+                raise CorruptCheckpointError(f"item {describe_index(req.storage_index)}: stored a tensor, planner wants bytes")
+            planner.load_bytes(req, io.BytesIO(item))
+            return
+        if not isinstance(item, torch.Tensor):
+            raise CorruptCheckpointError(f"item {describe_index(req.storage_index)}: stored bytes, planner wants a tensor")
+        NvcompReader._commit_tensor(req, item, planner)
+
+    @staticmethod
+    def _commit_tensor(req: ReadItem, stored: torch.Tensor, planner: LoadPlanner) -> None:
         src = narrow(stored, req.storage_offsets, req.lengths)
         target = planner.resolve_tensor(req).detach()
         if target.shape != src.shape:
@@ -413,3 +489,20 @@ def describe_index(index: MetadataIndex) -> str:
     if index.offset is None:
         return repr(index.fqn)
     return f"{index.fqn!r} offset {tuple(index.offset)}"
+
+
+def is_nvdcp_checkpoint(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> bool:
+    """Whether the checkpoint at ``url`` (a path or URL) holds nvdcp items.
+
+    True when its ``.metadata`` has at least one storage record with an nvdcp descriptor (an
+    nvdcp or a mixed checkpoint); False for a stock DCP checkpoint (and for one that stores no
+    items at all). :class:`NvcompReader` loads all of them; torch's ``FileSystemReader`` only
+    those for which this is False.
+
+    Raises:
+        IncompleteCheckpointError: no ``.metadata`` at ``url``.
+        CorruptCheckpointError: ``.metadata`` cannot be read.
+    """
+    storage = open_storage(os.fspath(url), **(storage_options or {}))
+    metadata = load_any_metadata(storage)
+    return any(is_nvdcp_record(info) for info in metadata.storage_data.values())

@@ -338,6 +338,11 @@ class NvcompStager:
         wait_timeout_s: how long ``stage`` waits for the previous save to release the buffers.
             After that it logs a warning and stages into fresh buffers (the old ones are freed
             when that save's objects go away), so a failed save can never hang training.
+        return_future: ``stage`` returns a completed ``concurrent.futures.Future`` holding the
+            staged dict instead of the dict itself (staging is as synchronous as ever). torch's
+            ``dcp.async_save`` then returns an ``AsyncSaveResponse`` (``staging_completion``,
+            ``upload_completion``) instead of a plain future, which callers written for
+            ``DefaultStager``'s async staging expect (torchtitan's ``async_with_pinned_mem``).
     """
 
     _synchronize_after_execute: bool = False
@@ -352,6 +357,7 @@ class NvcompStager:
         buffer_bytes: int = GiB,
         codec_threads: int | None = None,
         wait_timeout_s: float = 300.0,
+        return_future: bool = False,
     ) -> None:
         if cpu_mode not in CPU_MODES:
             raise ValueError(f"cpu_mode must be one of {CPU_MODES}, got {cpu_mode!r}")
@@ -362,6 +368,7 @@ class NvcompStager:
         self.cpu_mode = cpu_mode
         self.buffer_bytes = buffer_bytes
         self.wait_timeout_s = wait_timeout_s
+        self.return_future = return_future
         self.last_stats: StageStats | None = None
         self._init_runtime()
 
@@ -389,7 +396,7 @@ class NvcompStager:
         return self.encoding.chunk_bytes
 
     def __getstate__(self) -> dict[str, Any]:
-        keep = ("encoding", "gpu", "cpu_mode", "buffer_bytes", "wait_timeout_s")
+        keep = ("encoding", "gpu", "cpu_mode", "buffer_bytes", "wait_timeout_s", "return_future")
         return {k: self.__dict__[k] for k in keep} | {"last_stats": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -417,8 +424,9 @@ class NvcompStager:
         self._finish_pool = None
         self.encoder.close()
 
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """Return a staged copy of ``state_dict`` that later training steps cannot change.
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any] | Future[dict[str, Any]]:
+        """Return a staged copy of ``state_dict`` that later training steps cannot change
+        (with ``return_future``: a completed future holding it).
 
         Blocks for: waiting until the previous save released the buffers, GPU compression and the
         copy of the compressed bytes to host memory (or, without a GPU, the host copy / CPU
@@ -453,6 +461,10 @@ class NvcompStager:
             stats.raw_bytes, stats.staged_bytes, stats.ratio, stats.seconds, stats.wait_seconds,
             stats.pinned_bytes, stats.temp_bytes,
         )
+        if self.return_future:
+            done: Future[dict[str, Any]] = Future()
+            done.set_result(staged)
+            return done
         return staged
 
     # -- buffers and their lease ---------------------------------------------------------------

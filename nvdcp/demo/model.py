@@ -1,7 +1,7 @@
 """A small byte-level GPT and the data it trains on (the Python standard library's sources).
 
 The data needs no download: every Python installation carries its standard library. The
-reference GPU workload (BRIEF.md) is this model at d=768, 12 layers; the CPU demo uses d=256,
+reference GPU workload (benchmarks/workload.py) is this model at d=768, 12 layers; the CPU demo uses d=256,
 4 layers.
 """
 

@@ -39,7 +39,7 @@ def train_state(
         loss.backward()
         optim.step()
         optim.zero_grad(set_to_none=True)
-    return {"model": model.state_dict(), "optim": optim.state_dict()}, float(loss)
+    return {"model": model.state_dict(), "optim": optim.state_dict()}, float(loss.detach())
 
 
 __all__ = ["train_state"]

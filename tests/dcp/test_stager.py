@@ -272,6 +272,35 @@ def test_async_save_twice_with_one_stager(tmp_path: Path) -> None:
     stager.close()
 
 
+def test_return_future_makes_async_save_answer_an_async_save_response(tmp_path: Path) -> None:
+    """``return_future=True``: ``stage`` hands back a completed future of the staged dict, so
+    ``dcp.async_save`` returns ``AsyncSaveResponse`` (what torchtitan's pinned mode asserts);
+    the default still returns the dict."""
+    from concurrent.futures import Future
+
+    from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+    plain = NvcompStager(cpu_mode="compress")
+    assert isinstance(plain.stage(_state()), dict)
+    plain.close()
+    stager = NvcompStager(cpu_mode="compress", return_future=True)
+    assert pickle.loads(pickle.dumps(stager)).return_future is True
+    staged = stager.stage(_state())
+    assert isinstance(staged, Future) and staged.done() and isinstance(staged.result()["w"], StagedTensor)
+    del staged  # its buffers come back with it
+    sd = _state()
+    for i in range(2):  # the second save reuses the buffers the first one released
+        snapshot = copy.deepcopy(sd)
+        response = dcp.async_save(sd, storage_writer=nvdcp.NvcompWriter(tmp_path / str(i)), async_stager=stager)
+        assert isinstance(response, AsyncSaveResponse)
+        assert response.staging_completion.done() and response.staging_completion.result() is None
+        _mutate(sd)
+        response.upload_completion.result()
+        _assert_same(_load(tmp_path / str(i)), snapshot)
+    assert stager.last_stats is not None and stager.last_stats.wait_seconds < 5
+    stager.close()
+
+
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="cpu_mode"):
         NvcompStager(cpu_mode="gpu")

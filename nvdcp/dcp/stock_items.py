@@ -1,0 +1,251 @@
+"""Stock DCP compatibility: the items torch's ``FileSystemWriter`` / ``FsspecWriter`` store, and
+the stock constructor arguments :class:`~nvdcp.NvcompWriter` / :class:`~nvdcp.NvcompReader` accept.
+
+A stock record (``_StorageInfo`` without an ``nvdcp.<codec>/<v>`` descriptor) holds either the
+``torch.save`` of one tensor chunk or a byte item's bytes as the planner produced them, possibly
+passed through torch's stream transforms (``_extensions``, e.g. ``ZStandard``), which the
+record's ``transform_descriptors`` list. Used by :class:`~nvdcp.NvcompReader` (``dcp.load`` of
+stock and mixed checkpoints) and by ``nvdcp convert`` (:class:`nvdcp.convert.Source`).
+
+Stock items carry no checksum. What is checked: the record lies inside its file, the blob loads
+with ``torch.load(weights_only=True)`` (no code runs) as a tensor, and its dtype and shape are the
+ones ``.metadata`` records; any failure is a :class:`~nvdcp.errors.CorruptCheckpointError` naming
+the file, the offset and the item.
+
+Local files are read the way torch's ``FileSystemReader`` reads them: ``torch.load`` pulls the
+tensor's bytes straight from the file (``preadv`` into the new tensor's memory), so no
+intermediate copy of the record is made; other storages fetch the record with one ranged read.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
+
+from nvdcp.dcp.descriptor import PREFIX
+from nvdcp.errors import CodecUnavailableError, CorruptCheckpointError, TruncatedCheckpointError
+from nvdcp.pipeline.tensors import tensor_nbytes
+from nvdcp.storage import Storage
+from nvdcp.storage.base import Buffer
+from nvdcp.storage.local import LocalStorage
+
+_PREADV = getattr(os, "preadv", None)
+
+
+def is_nvdcp_record(info: object) -> bool:
+    """Whether a ``.metadata`` storage record names an nvdcp item (an ``nvdcp.`` descriptor)."""
+    descs = getattr(info, "transform_descriptors", None) or ()
+    return any(isinstance(d, str) and d.startswith(PREFIX) for d in descs)
+
+
+class _RangeFile(io.RawIOBase):
+    """Bytes ``[offset, offset + length)`` of an open file as a seekable stream of their own.
+
+    Reads use ``preadv`` straight into the caller's buffer (``torch.load`` hands it the new
+    tensor's memory) and share no file position, so threads can read one file at once.
+    """
+
+    def __init__(self, fd: int, offset: int, length: int) -> None:
+        super().__init__()
+        self._fd, self._start, self._length, self._pos = fd, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        if base + pos < 0:
+            raise ValueError(f"negative seek position {base + pos}")
+        self._pos = base + pos
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        n = min(len(view), self._length - self._pos)
+        if n <= 0:
+            return 0
+        if _PREADV is not None:
+            got = _PREADV(self._fd, [view[:n]], self._start + self._pos)
+        else:  # pragma: no cover - platforms without preadv
+            data = os.pread(self._fd, n, self._start + self._pos)
+            got = len(data)
+            view[:got] = data
+        self._pos += got
+        return got
+
+
+class _BufferFile(io.RawIOBase):
+    """A fetched record as a seekable stream, without copying it first (``io.BytesIO`` would)."""
+
+    def __init__(self, data: Buffer) -> None:
+        super().__init__()
+        self._data = memoryview(data).cast("B")
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._data)}[whence]
+        if base + pos < 0:
+            raise ValueError(f"negative seek position {base + pos}")
+        self._pos = base + pos
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        chunk = self._data[self._pos : self._pos + len(view)]
+        view[: len(chunk)] = chunk
+        self._pos += len(chunk)
+        return len(chunk)
+
+
+class StockItemReader:
+    """Reads stock items by byte range: undoes the record's stream transforms, ``torch.load``\\ s
+    tensors (``weights_only=True``, on the CPU) and checks them against ``.metadata``.
+
+    Args:
+        extension_registry: torch's ``ExtensionRegistry`` resolving the records' transform
+            descriptors (``FileSystemReader``'s ``_extension_registry``); default: torch's own
+            (``ZStandard``).
+    """
+
+    def __init__(self, extension_registry: Any = None) -> None:
+        self.transforms = _StorageReaderTransforms(extension_registry)
+
+    def read(
+        self,
+        storage: Storage,
+        name: str,
+        offset: int,
+        length: int,
+        descriptors: Sequence[str] | None,
+        dtype: torch.dtype | None,
+        shape: tuple[int, ...] | None,
+        where: str,
+    ) -> torch.Tensor | Buffer:
+        """One item: a CPU tensor of ``dtype`` and ``shape``, or (``dtype`` None) the byte
+        item's bytes. ``where`` names the item in errors (file, offset, item)."""
+        descs = tuple(descriptors or ())
+        if dtype is None:
+            record = _fetch(storage, name, offset, length, where)
+            return self._untransformed(record, descs, where) if descs else record
+        if shape is not None and not descs:
+            needed = tensor_nbytes(shape, dtype)
+            if length < needed:
+                raise CorruptCheckpointError(
+                    f"{where}: record of {length} bytes cannot hold a {dtype} {list(shape)} tensor ({needed} bytes)"
+                )
+        if descs or not isinstance(storage, LocalStorage):
+            record = _fetch(storage, name, offset, length, where)
+            if descs:
+                record = self._untransformed(record, descs, where)
+            return _load_tensor(_BufferFile(record), dtype, shape, where)
+        path, fd = storage._open_for_read(name)
+        try:
+            size = os.fstat(fd).st_size
+            if offset + length > size:
+                raise TruncatedCheckpointError(
+                    f"{where}: wanted {length} bytes at offset {offset}, {path} ends after {max(0, size - offset)}"
+                )
+            return _load_tensor(_RangeFile(fd, offset, length), dtype, shape, where)
+        finally:
+            os.close(fd)
+
+    def _untransformed(self, record: Buffer, descs: tuple[str, ...], where: str) -> bytes:
+        """The record with its stream transforms undone, all in memory."""
+        try:
+            stream = self.transforms.transform_load_stream(None, descs, _BufferFile(record))  # type: ignore[arg-type]
+            return bytes(stream.read())
+        except ValueError as exc:
+            if "no module named" in str(exc).lower():
+                raise CodecUnavailableError(f"{where}: cannot undo transforms {list(descs)}: {exc}") from exc
+            raise CorruptCheckpointError(f"{where}: cannot undo transforms {list(descs)}: {exc}") from exc
+        except Exception as exc:  # a damaged stream raises whatever its decompressor raises
+            raise CorruptCheckpointError(f"{where}: cannot undo transforms {list(descs)}: {exc}") from exc
+
+
+def _fetch(storage: Storage, name: str, offset: int, length: int, where: str) -> Buffer:
+    try:
+        return storage.read_range(name, offset, length)
+    except TruncatedCheckpointError as exc:
+        raise TruncatedCheckpointError(f"{where}: {exc}") from exc
+
+
+def _load_tensor(stream: Any, dtype: torch.dtype, shape: tuple[int, ...] | None, where: str) -> torch.Tensor:
+    try:
+        tensor = torch.load(stream, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch.load raises many types on bad input
+        raise CorruptCheckpointError(f"{where}: not a torch.save'd tensor: {exc}") from exc
+    if not isinstance(tensor, torch.Tensor):
+        raise CorruptCheckpointError(f"{where}: holds {type(tensor).__name__}, .metadata says a {dtype} tensor")
+    if tensor.dtype != dtype or (shape is not None and tuple(tensor.shape) != tuple(shape)):
+        want = f"{dtype} {list(shape)}" if shape is not None else str(dtype)
+        raise CorruptCheckpointError(
+            f"{where}: holds a {tensor.dtype} {list(tensor.shape)} tensor, .metadata says {want}"
+        )
+    return tensor
+
+
+# -- stock constructor arguments -----------------------------------------------------------------
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def warn_once(key: str, message: str) -> None:
+    """``warnings.warn(message)`` the first time ``key`` comes up in this process."""
+    with _warned_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    warnings.warn(message, UserWarning, stacklevel=4)
+
+
+def merge_fsspec_kwargs(
+    owner: str, path: str, storage_options: dict[str, Any] | None, fsspec_kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """``storage_options`` plus the ``**kwargs`` that ``FsspecWriter``/``FsspecReader`` pass to
+    fsspec. They are fsspec options, so an ``s3://`` URL given some goes through s3fs
+    (``backend="fsspec"``) unless a ``backend`` is named. nvdcp serves local paths itself, not
+    through fsspec: there they are ignored, with a warning."""
+    options = dict(storage_options or {})
+    if not fsspec_kwargs:
+        return options
+    if "://" not in path or path.startswith("file://"):
+        warn_once(
+            f"{owner}.local_kwargs",
+            f"{owner}: fsspec options {sorted(fsspec_kwargs)} are ignored for the local path {path!r} "
+            "(nvdcp reads and writes local files itself, not through fsspec)",
+        )
+        return options
+    both = sorted(set(options) & set(fsspec_kwargs))
+    if both:
+        raise TypeError(f"{owner}: {both} given both in storage_options and as keyword arguments")
+    options.update(fsspec_kwargs)
+    if path.startswith("s3://"):
+        # They are s3fs options, as FsspecWriter would pass them: serve s3:// through fsspec
+        # too, unless the caller picked a backend.
+        options.setdefault("backend", "fsspec")
+    return options
+
+
+__all__ = ["StockItemReader", "is_nvdcp_record", "merge_fsspec_kwargs", "warn_once"]
