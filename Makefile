@@ -1,6 +1,7 @@
 # Two entry points for a fresh machine (Python 3.10+, no GPU needed):
 #   make demo   train, checkpoint with nvdcp, resume at another world size, verify
 #   make test   install everything into .venv and run the test suite
+#   make lint   ruff and mypy (CI runs it too)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # torch 2.13.0's CPU wheel; on a GPU machine install your CUDA build of torch first.
@@ -10,10 +11,10 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test,s3,cli]"
+	$(PY) -m pip install -q -e ".[test,s3,cli,lint]"
 	touch $@
 
-.PHONY: install demo test
+.PHONY: install demo test lint
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
@@ -21,3 +22,8 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
+
+# ruff (pyflakes, import order, bugbear, pyupgrade) over the whole tree, mypy over the package.
+lint: $(VENV)/.installed
+	$(PY) -m ruff check nvdcp tests benchmarks
+	$(PY) -m mypy nvdcp

@@ -130,7 +130,6 @@ def run_variant(name: str, state: Any, root: str, save_fn: Any, load_fn: Any) ->
     sync()
     load_s = timed_sync(lambda: used.append(load_fn(target, path)))
     exact = states_equal(state, target)
-    del target
     return {"writer": name, "bytes": stored, "save_s": round(save_s, 3), "load_s": round(load_s, 3),
             "peak_extra_gpu_MiB": round(peak_gpu / 2**20, 1), "peak_pinned_MiB": round(pinned_peak(*used) / 2**20, 1),
             "bit_exact": exact, "page_cache_dropped": cache_dropped}

@@ -124,7 +124,7 @@ def main() -> None:
     }
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    p = planes_of(data["fp32_w"])
+    planes_of(data["fp32_w"])
     torch.cuda.synchronize()
     results["split_GBps_fp32"] = round(n / (time.perf_counter() - t0) / 1e9, 1)
     rows = []

@@ -12,7 +12,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 # Re-exported: many tests import these from here; the one copy is in nvdcp.testing.
-from nvdcp.testing import bit_equal, random_tensor, weights_like  # noqa: F401
+from nvdcp.testing import bit_equal, random_tensor, weights_like  # noqa: E402, F401
 
 
 def has_cuda_nvcomp() -> bool:

@@ -41,7 +41,7 @@ class Codec(ABC):
     #: (``"<f2"``, ``"<f4"``, ``"<f8"``); everything else goes as ``"|u1"``.
     nvcomp_data_types: tuple[str, ...] = ()
 
-    @classmethod
+    @classmethod  # noqa: B027  (a hook with a default: most codecs always run)
     def check_available(cls) -> None:
         """Raise :class:`~nvdcp.errors.CodecUnavailableError` when this machine cannot run the
         CPU implementation (no implementation, or its library is missing)."""

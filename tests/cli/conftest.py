@@ -152,4 +152,4 @@ def flip_byte(path: str | os.PathLike[str], fqn: str, where: int) -> str:
 
 
 # S3: the session's moto server on loopback and a fresh bucket per test (tests/s3/s3_testkit.py).
-from tests.s3.s3_testkit import moto_s3, s3env  # noqa: F401
+from tests.s3.s3_testkit import moto_s3, s3env  # noqa: E402, F401

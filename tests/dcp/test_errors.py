@@ -109,7 +109,7 @@ def test_truncated_data_file(tmp_path: Path) -> None:
     assert f.name in str(err)
 
 
-def _rewrite_item_header(f: Path, off: int, mutate: "callable") -> None:
+def _rewrite_item_header(f: Path, off: int, mutate: callable) -> None:
     data = bytearray(f.read_bytes())
     header_bytes = struct.unpack_from("<I", data, off + 24)[0]
     mutate(data, off)

@@ -19,8 +19,8 @@ from torch.distributed.checkpoint.default_planner import create_default_local_sa
 from torch.distributed.checkpoint.staging import AsyncStager
 
 import nvdcp
-from nvdcp.pipeline.encoder import ItemEncoder
 from nvdcp.dcp.stager import HostBuffers, NvcompStager, StagedShard, StagedTensor
+from nvdcp.pipeline.encoder import ItemEncoder
 from tests.conftest import bit_equal
 
 MiB = 1 << 20

@@ -21,7 +21,7 @@ GOLDEN = Path(__file__).parents[1] / "golden" / "v1"
 def test_golden_checkpoint_decodes(codec: str) -> None:
     expected = json.loads((GOLDEN / "expected.json").read_text())
     sd = golden_state()
-    for k, v in sd.items():
+    for v in sd.values():
         if isinstance(v, torch.Tensor):
             v.zero_() if v.dtype != torch.bool else v.fill_(False)
     sd["extra"] = io.BytesIO()
@@ -75,8 +75,9 @@ def test_gpu_written_checkpoint_loads_on_the_cpu() -> None:
 
 
 def test_gpu_only_codec_without_gpu_is_refused_by_name() -> None:
-    from nvdcp.gpu import gpu_available
     from torch.distributed.checkpoint.api import CheckpointException
+
+    from nvdcp.gpu import gpu_available
 
     if gpu_available():
         pytest.skip("this machine can decode ANS")

@@ -234,7 +234,7 @@ def test_encode_items_keeps_input_order_and_kinds(enc: ItemEncoder) -> None:
     out = list(enc.encode_items(items, describe))  # type: ignore[arg-type]
     assert [k for k, _ in out] == [k for k, _ in items]
     assert set(described) <= set(tensors)  # only tensors are described
-    for (key, data), (_, item) in zip(items, out):
+    for (_, data), (_, item) in zip(items, out):
         if isinstance(data, torch.Tensor):
             assert bit_equal(_decoded_tensor(item, torch.float32), data)
         elif isinstance(data, io.BytesIO):

@@ -27,7 +27,7 @@ def test_s3_bench_tiny(tmp_path: Path) -> None:
     assert payload["machine"]["cores"] and payload["command"] and payload["date"]
     rows = {(r["variant"], r["phase"]): r for r in payload["results"]}
     assert set(rows) == {(v, p) for v in ("nvdcp-boto3", "torch-fsspec") for p in ("save", "load")}
-    for (variant, phase), row in rows.items():
+    for (_, phase), row in rows.items():
         assert "error" not in row, row
         assert row["requests"] > 0 and row["wall_s"] > 0 and row["peak_rss_bytes"] > 0
         if phase == "save":

@@ -8,8 +8,8 @@ import torch.distributed.checkpoint as dcp
 
 import nvdcp
 from nvdcp.dcp.stager import NvcompStager
-from tests.s3.s3_testkit import S3Env, moto_s3, s3env  # noqa: F401  (fixtures)
 from tests.dcp.test_stager import _assert_same, _mutate, _state, _target
+from tests.s3.s3_testkit import S3Env, moto_s3, s3env  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.s3
 
