@@ -10,7 +10,7 @@ export PYTHONPATH=/tmp/site:$PWD
 python3 setup.py -q build_ext --inplace >/tmp/build_ext.log 2>&1 || echo "native extensions not built (see /tmp/build_ext.log)"
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export NVDCP_GPU_GOLDEN_OUT=$OUT
-python3 -m pytest -q -p no:cacheprovider -p no:logging --tb=short tests/gpu ${TESTS_EXTRA:-} 2>&1 | grep -vE "^(DEBUG|INFO) " | tail -60 | tee "$OUT/gpu_tests.log"
+python3 -m pytest -q -p no:cacheprovider --tb=short tests/gpu ${TESTS_EXTRA:-} 2>&1 | grep -vE "^(DEBUG|INFO) " | tail -60 | tee "$OUT/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 if [ "$tests_rc" != 0 ] && [ "${BENCH_IF_TESTS_FAIL:-0}" != 1 ]; then
   echo "GPU tests failed (rc $tests_rc): benchmarks skipped (BENCH_IF_TESTS_FAIL=1 runs them anyway)"
