@@ -10,10 +10,9 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from nvdcp.dcp.planner import WeightsOnlyLoadPlanner
-from nvdcp.dcp.reader import NvcompReader
+from nvdcp.dcp.reader import NvcompReader, is_nvdcp_checkpoint
 from nvdcp.dcp.stager import NvcompStager
 from nvdcp.dcp.writer import NvcompWriter
-from nvdcp.verify import VerifyReport, verify_checkpoint
 from nvdcp.errors import (
     CheckpointExistsError,
     CodecUnavailableError,
@@ -28,6 +27,7 @@ from nvdcp.errors import (
     TruncatedCheckpointError,
     UnknownCodecError,
 )
+from nvdcp.verify import VerifyReport, verify_checkpoint
 
 
 def release_resources() -> None:
@@ -53,6 +53,7 @@ __all__ = [
     "NvcompReader",
     "NvcompStager",
     "WeightsOnlyLoadPlanner",
+    "is_nvdcp_checkpoint",
     "NvdcpError",
     "CheckpointExistsError",
     "CodecUnavailableError",

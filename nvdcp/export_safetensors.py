@@ -282,7 +282,7 @@ class _OutputFile:
         base = self.data_start + tensor.start
         partial = [i for i in range(len(shape)) if sizes[i] != shape[i]]
         if not partial:
-            self.pwrite(memoryview(data), base)
+            self.pwrite(data.data, base)
             return
         g = _c_strides(shape)
         j = partial[-1]  # dims after j are covered whole: one run spans sizes[j] * g[j] elements
@@ -290,13 +290,13 @@ class _OutputFile:
         outer = sizes[:j]
         first = sum(o * s for o, s in zip(offsets, g))
         if math.prod(outer) <= 1:
-            self.pwrite(memoryview(data), base + first * b)
+            self.pwrite(data.data, base + first * b)
             return
         if run * b >= _DIRECT_RUN_BYTES:
             starts = np.full((), first, dtype=np.int64)
             for i in range(j):  # run start offsets in C order of the outer indices
                 starts = np.add.outer(starts, np.arange(sizes[i], dtype=np.int64) * g[i])
-            mv = memoryview(data)
+            mv = data.data
             runb = run * b
             for k, s in enumerate(starts.reshape(-1).tolist()):
                 self.pwrite(mv[k * runb:(k + 1) * runb], base + s * b)
@@ -322,10 +322,10 @@ class _OutputFile:
             for t in range(0, sizes[q], k):
                 kk = min(k, sizes[q] - t)
                 at = base + (head + tail + t * g[q]) * b
-                span = memoryview(buf)[:((kk - 1) * g[q] + span1(q)) * b]
+                span = buf.data[:((kk - 1) * g[q] + span1(q)) * b]
                 self.pread_into(span, at)
                 view = as_strided(buf, shape=(kk, *sizes[q + 1:j], run * b), strides=strides, writeable=True)
-                view[...] = src[(*idx, slice(t, t + kk))]
+                view[...] = src[tuple(idx) + (slice(t, t + kk),)]
                 self.pwrite(span, at)
 
 
@@ -553,7 +553,7 @@ class _Exporter:
                 buf.reshape(*tensor.shape, b)[region] = data.reshape(*sizes, b)
                 left[tensor.fqn] -= 1
                 if not left[tensor.fqn]:
-                    out.pwrite(memoryview(buffers.pop(tensor.fqn)), out.data_start + tensor.start)
+                    out.pwrite(buffers.pop(tensor.fqn).data, out.data_start + tensor.start)
             else:
                 out.place(tensor, offsets, sizes, data, self.window)
             del data

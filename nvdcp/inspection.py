@@ -21,9 +21,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from nvdcp.dcp.any_metadata import load_any_metadata
 from nvdcp.codecs import codec_id, codec_names
 from nvdcp.dcp import descriptor
+from nvdcp.dcp.any_metadata import load_any_metadata
 from nvdcp.errors import CorruptCheckpointError, NvdcpError
 from nvdcp.format.header import (
     FILE_FIXED_SIZE,

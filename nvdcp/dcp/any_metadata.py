@@ -1,9 +1,11 @@
 """Reading ``.metadata`` of stock checkpoints too.
 
 torch's ``FileSystemWriter`` pickles ``storage_meta.checkpoint_id`` as a ``pathlib`` path, which
-nvdcp's reader refuses; the commands read stock checkpoints as well, so they allow paths (inert:
-building one runs nothing beyond string handling). Everything else is
-:func:`nvdcp.dcp.metadata_io.load_metadata`: size bound, opcode pre-scan, allow-list, record checks.
+the bare allow-list of :func:`~nvdcp.dcp.metadata_io.load_metadata` refuses. Everything that reads
+stock checkpoints (:class:`~nvdcp.NvcompReader`, :func:`nvdcp.is_nvdcp_checkpoint`, the commands)
+reads ``.metadata`` here, allowing paths (inert: building one runs nothing beyond string
+handling). Everything else is :func:`nvdcp.dcp.metadata_io.load_metadata`: size bound, opcode
+pre-scan, allow-list, record checks.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future as PyFuture
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -409,7 +409,7 @@ class NvcompReader(StorageReader):
     ) -> Iterator[tuple[MetadataIndex, ItemHeader | None, Any]]:
         """Run item loads (CPU, stock items too) and batch loads (GPU) on the I/O pool, a bounded
         window ahead. A stock item comes with header None and its tensor or bytes."""
-        tasks: list[Callable[[], list[tuple[MetadataIndex, ItemHeader | None, Any]]]] = []
+        tasks: list[Callable[[], Sequence[tuple[MetadataIndex, ItemHeader | None, Any]]]] = []
         for index in order:
             if index in stock:
                 tasks.append(functools.partial(self._load_stock_task, index, report))
@@ -419,7 +419,7 @@ class NvcompReader(StorageReader):
             tasks.append(functools.partial(self._load_gpu_batch, batch, device, report))
         window = READ_WINDOW_PER_THREAD * self.thread_count
         with ThreadPoolExecutor(self.thread_count, thread_name_prefix="nvdcp-read") as io_pool:
-            pending: list[PyFuture[list[tuple[MetadataIndex, ItemHeader | None, Any]]]] = []
+            pending: list[PyFuture[Sequence[tuple[MetadataIndex, ItemHeader | None, Any]]]] = []
             try:
                 for task in tasks:
                     pending.append(io_pool.submit(task))

@@ -45,16 +45,26 @@ def is_nvdcp_record(info: object) -> bool:
     return any(isinstance(d, str) and d.startswith(PREFIX) for d in descs)
 
 
+#: Records up to this size are read whole, in one system call.
+WHOLE_RECORD_BYTES = 64 << 10
+#: ``torch.load`` reads a zip's headers with ~20 small reads near the record's start and end;
+#: :class:`_RangeFile` serves them from (at most two) cached blocks of this size.
+_BLOCK = 16 << 10
+
+
 class _RangeFile(io.RawIOBase):
     """Bytes ``[offset, offset + length)`` of an open file as a seekable stream of their own.
 
-    Reads use ``preadv`` straight into the caller's buffer (``torch.load`` hands it the new
-    tensor's memory) and share no file position, so threads can read one file at once.
+    Large reads (the tensor's bytes) use ``preadv`` straight into the caller's buffer
+    (``torch.load`` hands it the new tensor's memory); small ones (zip headers, the pickle) come
+    from two cached blocks, so a record costs about three system calls. No file position is
+    shared: threads can read one file at once.
     """
 
     def __init__(self, fd: int, offset: int, length: int) -> None:
         super().__init__()
         self._fd, self._start, self._length, self._pos = fd, offset, length, 0
+        self._blocks: list[tuple[int, bytes]] = []
 
     def readable(self) -> bool:
         return True
@@ -74,15 +84,36 @@ class _RangeFile(io.RawIOBase):
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
-        n = min(len(view), self._length - self._pos)
+        pos = self._pos
+        n = min(len(view), self._length - pos)
         if n <= 0:
             return 0
-        if _PREADV is not None:
-            got = _PREADV(self._fd, [view[:n]], self._start + self._pos)
-        else:  # pragma: no cover - platforms without preadv
-            data = os.pread(self._fd, n, self._start + self._pos)
-            got = len(data)
-            view[:got] = data
+        if n < _BLOCK:
+            for start, data in self._blocks:
+                if start <= pos and pos + n <= start + len(data):
+                    break
+            else:
+                # Anchor the block so it also covers what follows, up to the record's end.
+                start = max(0, min(pos, self._length - _BLOCK))
+                data = os.pread(self._fd, min(_BLOCK, self._length - start), self._start + start)
+                self._blocks = [*self._blocks[-1:], (start, data)]
+                if pos + n > start + len(data):  # the file is shorter than its record
+                    n = max(0, start + len(data) - pos)
+            view[:n] = data[pos - start : pos - start + n]
+            self._pos += n
+            return n
+        got = 0
+        while got < n:  # one preadv may return less than asked for a large read
+            part = view[got:n]
+            if _PREADV is not None:
+                k = _PREADV(self._fd, [part], self._start + pos + got)
+            else:  # pragma: no cover - platforms without preadv
+                data = os.pread(self._fd, len(part), self._start + pos + got)
+                k = len(data)
+                part[:k] = data
+            if k == 0:
+                break
+            got += k
         self._pos += got
         return got
 
@@ -167,6 +198,8 @@ class StockItemReader:
                 raise TruncatedCheckpointError(
                     f"{where}: wanted {length} bytes at offset {offset}, {path} ends after {max(0, size - offset)}"
                 )
+            if length <= WHOLE_RECORD_BYTES:
+                return _load_tensor(_BufferFile(os.pread(fd, length, offset)), dtype, shape, where)
             return _load_tensor(_RangeFile(fd, offset, length), dtype, shape, where)
         finally:
             os.close(fd)

@@ -19,6 +19,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -32,6 +33,7 @@ from nvdcp.dcp import descriptor
 from nvdcp.dcp.commit import CheckpointCommit, data_file_header
 from nvdcp.dcp.metadata_io import METADATA_NAME
 from nvdcp.dcp.stager import NvcompStager, StagedShard, WriterStagingMixin, release_staged
+from nvdcp.dcp.stock_items import merge_fsspec_kwargs, warn_once
 from nvdcp.errors import CheckpointExistsError
 from nvdcp.format.header import DEFAULT_CHUNK_BYTES
 from nvdcp.gpu.config import GpuConfig
@@ -45,6 +47,8 @@ from nvdcp.storage import Storage, open_storage
 logger = logging.getLogger(__name__)
 
 DATA_SUFFIX = ".nvdcp"
+#: torch's FileSystemWriter default ``per_thread_copy_ahead`` (10 MB).
+STOCK_COPY_AHEAD = 10_000_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,14 +78,36 @@ def split_into_files(items: list[WriteItem], files: int) -> list[list[WriteItem]
 class NvcompWriter(WriterStagingMixin, StorageWriter):
     """Writes a DCP checkpoint whose items are compressed (nvCOMP on the GPU, CPU codecs otherwise).
 
+    A drop-in for torch's ``FileSystemWriter``: its arguments (torch 2.9 to 2.15) in the same
+    positions, then nvdcp's own, keyword-only. ``FsspecWriter``'s agree up to
+    ``per_thread_copy_ahead``; its later ones (``overwrite``, ``_extensions``...) pass by keyword,
+    and its ``**kwargs`` (fsspec options) are accepted too. Stock arguments without a meaning
+    here are accepted and ignored, with a one-time warning.
+
     Args:
         path: checkpoint directory (created if missing) or URL.
+        single_file_per_rank: stock's default ``True`` (one data file per rank and I/O thread) is
+            what nvdcp writes. ``False`` (stock: one file per item) is not supported: nvdcp still
+            writes one file per rank and thread (warned); the checkpoint loads the same.
+        sync_files: fsync data files, ``.metadata`` and the directory before the save returns.
+        thread_count: data files written in parallel per rank (as torch's FileSystemWriter).
+        per_thread_copy_ahead: ignored (warned when not stock's default): the GPU path bounds its
+            own device-to-host traffic (:class:`~nvdcp.gpu.config.GpuConfig`).
+        cache_staged_state_dict: ignored (warned when True): ``dcp.async_save`` stages through
+            nvdcp's stager, which always keeps and reuses its host buffers across saves
+            (:func:`nvdcp.release_resources` frees them).
+        overwrite: allow saving over an existing checkpoint (atomically replaced; see module doc).
+            ``False`` makes a save onto a checkpoint raise :class:`~nvdcp.CheckpointExistsError`,
+            a ``RuntimeError`` as with stock DCP.
+        _extensions: torch's stream transforms (``ZStandard``...): ignored for writing (warned),
+            nvdcp compresses items itself (``codec``). :class:`~nvdcp.NvcompReader` does undo
+            them when it reads a stock checkpoint.
+        serialization_format: ``SerializationFormat.TORCH_SAVE`` (stock's default) or None;
+            anything else (``SAFETENSORS``) is ignored, with a warning: nvdcp writes its own
+            container (docs/FORMAT.md).
         codec: ``"auto"`` (per-dtype choice, always decodable without a GPU), or a codec name:
             ``"zstd"``, ``"gdeflate"``, ``"none"`` (raw, still checksummed); ``"ans"`` and
             ``"bitcomp"`` need a GPU to save and to load.
-        thread_count: data files written in parallel per rank (as torch's FileSystemWriter).
-        sync_files: fsync data files, ``.metadata`` and the directory before the save returns.
-        overwrite: allow saving over an existing checkpoint (atomically replaced; see module doc).
         chunk_bytes: uncompressed bytes per independently compressed chunk (default 64 KiB).
         codec_threads: CPU threads for compression (default: all cores).
         storage_options: backend options for URLs (see :func:`nvdcp.storage.open_storage`).
@@ -94,6 +120,9 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
             and close it); default: the process-wide encoder for these settings, so writers made
             per save reuse GPU encoders and pinned buffers. :func:`nvdcp.release_resources`
             frees the process-wide ones.
+        **fsspec_options: ``FsspecWriter``'s ``**kwargs``: fsspec options for a URL (merged into
+            ``storage_options``; an ``s3://`` URL then goes through s3fs unless ``backend`` is
+            given); ignored, with a warning, for a local path.
 
     It is also a DCP ``AsyncStager`` (:class:`~nvdcp.dcp.stager.WriterStagingMixin`):
     ``dcp.async_save`` stages through nvdcp's stager, and ``write_data`` writes the items that
@@ -102,25 +131,39 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
     Raises:
         UnknownCodecError: ``codec`` names no codec (a ``ValueError``).
         ValueError: ``thread_count``, ``chunk_bytes`` or ``codec_threads`` out of range.
+        TypeError: a string where ``single_file_per_rank`` goes (pass ``codec=`` by keyword).
         NotACheckpointDirectoryError: ``path`` is an existing file.
     """
 
     def __init__(
         self,
         path: str | os.PathLike[str],
+        single_file_per_rank: bool = True,
+        sync_files: bool = True,
+        thread_count: int = 1,
+        per_thread_copy_ahead: int = STOCK_COPY_AHEAD,
+        cache_staged_state_dict: bool = False,
+        overwrite: bool = True,
+        _extensions: Sequence[Any] | None = None,
+        serialization_format: Any = None,
         *,
         codec: str = "auto",
-        thread_count: int = 1,
-        sync_files: bool = True,
-        overwrite: bool = True,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         codec_threads: int | None = None,
         storage_options: dict[str, Any] | None = None,
         gpu: GpuConfig | None = None,
         stager: NvcompStager | None = None,
         encoder: ItemEncoder | None = None,
+        **fsspec_options: Any,
     ) -> None:
         super().__init__()
+        if isinstance(single_file_per_rank, str):
+            raise TypeError(
+                f"NvcompWriter: single_file_per_rank must be a bool, got {single_file_per_rank!r} "
+                "(nvdcp's own arguments are keyword-only: codec=...)"
+            )
+        _warn_stock_arguments(single_file_per_rank, per_thread_copy_ahead, cache_staged_state_dict,
+                              _extensions, serialization_format)
         if thread_count < 1:
             raise ValueError(f"thread_count must be >= 1, got {thread_count}")
         self.encoding = EncodeConfig(codec, chunk_bytes, codec_threads)
@@ -130,8 +173,13 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
         self.thread_count = thread_count
         self.sync_files = sync_files
         self.overwrite = overwrite
-        self.storage_options = dict(storage_options or {})
+        # Stock arguments kept as stock's writer keeps them (read by nothing here).
+        self.single_file_per_rank = single_file_per_rank
+        self.per_thread_copy_ahead = per_thread_copy_ahead
+        self.cache_staged_state_dict = cache_staged_state_dict
+        self.serialization_format = serialization_format
         self.path = os.fspath(path)
+        self.storage_options = merge_fsspec_kwargs("NvcompWriter", self.path, storage_options, fsspec_options)
         self.storage: Storage = open_storage(self.path, sync=sync_files, **self.storage_options)
         self.save_id = uuid.uuid4().hex
         self.rank: int = 0
@@ -183,7 +231,7 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
         self.storage.prepare()
         if not self.overwrite and self.storage.exists(METADATA_NAME):
             raise CheckpointExistsError(
-                f"{self.storage.describe(METADATA_NAME)} exists and overwrite=False"
+                f"Checkpoint already exists: {self.storage.describe(METADATA_NAME)} exists and overwrite=False"
             )
         if not self.use_collectives:
             # No global plan step will run: pick a prefix unique to this rank and save.
@@ -319,6 +367,30 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
 
 def _describe_item(item: WriteItem) -> str:
     return f"item {item.index.fqn}"
+
+
+def _warn_stock_arguments(
+    single_file_per_rank: bool, per_thread_copy_ahead: int, cache_staged_state_dict: bool,
+    extensions: Sequence[Any] | None, serialization_format: Any,
+) -> None:
+    """One warning per process for each stock argument given a value nvdcp does not honor."""
+    if not single_file_per_rank:
+        warn_once("single_file_per_rank", "NvcompWriter: single_file_per_rank=False (one file per item) is not "
+                  "supported; nvdcp writes one data file per rank and thread. The checkpoint loads the same.")
+    if per_thread_copy_ahead != STOCK_COPY_AHEAD:
+        warn_once("per_thread_copy_ahead", "NvcompWriter: per_thread_copy_ahead is ignored; nvdcp's GPU path "
+                  "bounds its own device-to-host copies (GpuConfig).")
+    if cache_staged_state_dict:
+        warn_once("cache_staged_state_dict", "NvcompWriter: cache_staged_state_dict is ignored; dcp.async_save "
+                  "stages through nvdcp's stager, which always keeps and reuses its host buffers across saves "
+                  "(nvdcp.release_resources() frees them).")
+    if extensions:
+        warn_once("_extensions", "NvcompWriter: _extensions (torch stream transforms) are ignored for writing; "
+                  "nvdcp compresses every item itself (codec=...).")
+    fmt = getattr(serialization_format, "value", serialization_format)
+    if fmt not in (None, "torch_save"):
+        warn_once("serialization_format", f"NvcompWriter: serialization_format={serialization_format!r} is "
+                  "ignored; nvdcp writes its own container format (docs/FORMAT.md).")
 
 
 __all__ = ["DATA_SUFFIX", "NvcompWriter", "split_into_files"]
