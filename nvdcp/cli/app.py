@@ -397,11 +397,12 @@ def _export_safetensors(src: str, dst: str, max_memory: int, threads: int, prefi
         lines.append(f"  prefix {result.prefix!r}: {result.excluded} other items left out")
     if result.streamed:
         lines.append(f"  streamed chunk by chunk (larger than a quarter of --max-memory): {', '.join(result.streamed)}")
-    if result.skipped:
-        shown = [f"{k} ({v})" for k, v in list(result.skipped.items())[:8]]
-        more = len(result.skipped) - len(shown)
-        lines.append(f"  skipped {_plural(len(result.skipped), 'item')} with no safetensors form: {', '.join(shown)}"
-                     + (f" and {more} more" if more > 0 else ""))
+    by_reason: dict[str, list[str]] = {}
+    for name, reason in result.skipped.items():
+        by_reason.setdefault(reason, []).append(name)
+    for reason, names_ in by_reason.items():
+        more = f" and {len(names_) - 6} more" if len(names_) > 6 else ""
+        lines.append(f"  skipped {_plural(len(names_), 'item')} ({reason}): {', '.join(names_[:6])}{more}")
     lines.append("  phases (summed over threads): " + " ".join(f"{k}={v:.3f}s" for k, v in sorted(r.phases.items())))
     out.print("\n".join(lines), soft_wrap=True, markup=False)
 

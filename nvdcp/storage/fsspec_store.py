@@ -10,6 +10,7 @@ fsspec and the protocol's package (s3fs, gcsfs, adlfs) are imported only when a 
 
 from __future__ import annotations
 
+import builtins
 import errno
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
@@ -295,11 +296,11 @@ class FsspecStorage(Storage):
     def list(self) -> list[str]:
         return self._entries("file")
 
-    def list_children(self) -> list[str]:
+    def list_children(self) -> builtins.list[str]:
         """Sub-directories (prefixes) directly under the root, one checkpoint each."""
         return self._entries("directory")
 
-    def _entries(self, kind: str) -> list[str]:
+    def _entries(self, kind: str) -> builtins.list[str]:
         try:
             with _translated(self.url, "list", passthrough=FileNotFoundError):
                 # Another process may have written since this fs cached the listing.

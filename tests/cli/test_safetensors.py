@@ -207,6 +207,16 @@ def test_header_layout(single: dict[str, Path], tmp_path: Path) -> None:
         assert (8 + n + v["data_offsets"][0]) % size == 0
 
 
+def test_stock_source_with_torch_zstd_extension(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    src, out = tmp_path / "src", tmp_path / "hf"
+    dcp.save(_single_state(), storage_writer=FileSystemWriter(src, _extensions=[ZStandard()]))
+    result = export_safetensors(src, out, max_memory=1 << 20, max_shard_size=10**6)
+    assert result.source_format == "stock" and [f.tensors for f in result.files] == [1, 8]  # big.weight alone
+    assert_tensors(read_export(out), _single_tensors())
+
+
 # -- 2 ranks, sharded --------------------------------------------------------------------------
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("max_memory", ["1GiB", "1MiB"])
@@ -387,18 +397,25 @@ def test_place_fills_random_tilings(tmp_path: Path, seed: int) -> None:
     assert got["y"].tolist() == [0xAB, 0xCD, 0xEF]  # the next tensor's bytes are untouched
 
 
-def test_place_long_runs_and_windows(tmp_path: Path) -> None:
-    """A column block with runs past the direct-write threshold, and one with short runs placed
-    through windows smaller than a row of the tensor."""
-    full = np.arange(64 * 3000, dtype=np.int32).reshape(64, 3000)
-    t = _Tensor("x", torch.int32, torch.int32, (64, 3000))
-    f = _OutputFile(str(tmp_path / "x.safetensors"), [t], {})
+def test_place_direct_runs_and_windows(tmp_path: Path) -> None:
+    """Column blocks of a wide tensor (runs 12 kB apart: one pwrite per run) and of a narrow one
+    (runs 256 bytes apart: read-modify-write windows, some smaller than the chunk's rows)."""
+    wide = np.arange(64 * 3000, dtype=np.int32).reshape(64, 3000)
+    narrow = np.arange(3000 * 64, dtype=np.int32).reshape(3000, 64) * 7
+    tw = _Tensor("wide", torch.int32, torch.int32, wide.shape)
+    tn = _Tensor("narrow", torch.int32, torch.int32, narrow.shape)
+    tn.start = tw.nbytes
+    f = _OutputFile(str(tmp_path / "x.safetensors"), [tw, tn], {})
+
+    def block(a: np.ndarray, lo: int, hi: int) -> np.ndarray:
+        return np.ascontiguousarray(a[:, lo:hi]).view(np.uint8).reshape(-1)
+
     try:
-        f.place(t, (0, 0), (64, 1500), np.ascontiguousarray(full[:, :1500]).view(np.uint8).reshape(-1), 1 << 16)
-        f.place(t, (0, 1500), (64, 1400), np.ascontiguousarray(full[:, 1500:2900]).view(np.uint8).reshape(-1), 1 << 16)
-        f.place(t, (0, 2900), (64, 100), np.ascontiguousarray(full[:, 2900:]).view(np.uint8).reshape(-1), 1000)
+        for t, a, cuts, window in ((tw, wide, [0, 1500, 2900, 3000], 1 << 16), (tn, narrow, [0, 30, 31, 64], 1000)):
+            for lo, hi in zip(cuts, cuts[1:]):
+                f.place(t, (0, lo), (a.shape[0], hi - lo), block(a, lo, hi), window)
         f.finish()
     finally:
         f.close()
-    got = safetensors_torch.load_file(str(tmp_path / "x.safetensors"))["x"]
-    assert np.array_equal(got.numpy(), full)
+    got = safetensors_torch.load_file(str(tmp_path / "x.safetensors"))
+    assert np.array_equal(got["wide"].numpy(), wide) and np.array_equal(got["narrow"].numpy(), narrow)
