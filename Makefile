@@ -7,11 +7,16 @@ PY := $(VENV)/bin/python
 # torch 2.13.0's CPU wheel; on a GPU machine install your CUDA build of torch first.
 TORCH ?= torch==2.13.0
 
+# The last step adds torchtitan's checkpoint manager and config system for tests/integrations
+# (its full dependency set conflicts with the s3 extra's fsspec pin: see pyproject.toml); 3.11+ only.
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[test,s3,cli,lint]"
+	$(PY) -c 'import sys; sys.exit(sys.version_info < (3, 11))' && $(PY) -m pip install -q --no-deps \
+		torchtitan==0.3.0 tyro==1.0.17 docstring_parser==0.18.0 typeguard==4.6.1 spmd_types==0.2.3 \
+		|| echo "torchtitan not installed: tests/integrations will skip"
 	touch $@
 
 .PHONY: install demo test lint

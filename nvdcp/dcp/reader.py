@@ -15,6 +15,7 @@ against ``.metadata`` (dtype, shape, range inside its file), then committed the 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import io
 import logging
@@ -24,7 +25,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future as PyFuture
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -42,7 +43,13 @@ from torch.futures import Future
 
 from nvdcp.dcp import descriptor
 from nvdcp.dcp.any_metadata import load_any_metadata
-from nvdcp.dcp.stock_items import StockItemReader, is_nvdcp_record, merge_fsspec_kwargs
+from nvdcp.dcp.stock_items import (
+    DIRECT_MIN_BYTES,
+    OpenFiles,
+    StockItemReader,
+    is_nvdcp_record,
+    merge_fsspec_kwargs,
+)
 from nvdcp.errors import CorruptCheckpointError, TruncatedCheckpointError
 from nvdcp.format.dtypes import code_dtype
 from nvdcp.format.header import (
@@ -55,9 +62,11 @@ from nvdcp.format.header import (
 from nvdcp.gpu import gpu_available
 from nvdcp.gpu.config import GpuConfig
 from nvdcp.pipeline.cpu import decode_item
+from nvdcp.pipeline.tensors import tensor_nbytes
 from nvdcp.report import Report
 from nvdcp.storage import Storage, open_storage
 from nvdcp.storage.base import Buffer
+from nvdcp.storage.local import LocalStorage
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +79,9 @@ HEADER_PREFIX_BYTES = 1 << 16
 MAX_GPU_BATCH_ITEMS = 4096
 #: Reads in flight per I/O thread: enough to overlap fetching with decoding, bounded memory.
 READ_WINDOW_PER_THREAD = 2
+#: Consecutive stock items loaded by one I/O task, at most this many stored bytes or items.
+STOCK_BATCH_BYTES = 4 << 20
+STOCK_BATCH_ITEMS = 64
 
 
 def narrow(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
@@ -78,6 +90,47 @@ def narrow(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
         if start != 0 or length != tensor.shape[dim]:
             tensor = tensor.narrow(dim, start, length)
     return tensor
+
+
+_Load = TypeVar("_Load", bound=Callable[..., Any])
+_rereading = threading.local()
+
+
+def _rereads(load: _Load) -> _Load:
+    """Make an item (or GPU batch) load read its bytes again when they fail a check.
+
+    A byte damaged on its way from storage (network, proxy) fails a chunk or header CRC32C once and
+    reads right the next time: the load runs again, up to ``reader.reread_attempts`` times, after
+    dropping the storage's cached blocks (``forget_cached``). Damage that stays raises the last
+    error, which names file, item and chunk.
+    """
+
+    @functools.wraps(load)
+    def run(self: NvcompReader, *args: Any, **kwargs: Any) -> Any:
+        from nvdcp.errors import FormatVersionError, MissingDataFileError
+
+        if getattr(_rereading, "active", False):  # load_item on a GPU runs _load_gpu_batch
+            return load(self, *args, **kwargs)
+        _rereading.active = True
+        try:
+            attempts = self.reread_attempts
+            for attempt in range(attempts + 1):
+                try:
+                    return load(self, *args, **kwargs)
+                except (CorruptCheckpointError, FormatVersionError) as exc:  # header fields damaged too
+                    if isinstance(exc, MissingDataFileError) or attempt == attempts:
+                        if attempt and exc.args and isinstance(exc.args[0], str):
+                            exc.args = (f"{exc.args[0]} (the same after {attempt} re-reads)", *exc.args[1:])
+                        raise
+                    logger.warning("%s; reading its bytes again (re-read %d of %d)", exc, attempt + 1, attempts)
+                    forget = getattr(self.storage, "forget_cached", None)
+                    if forget is not None:
+                        forget()
+            raise AssertionError("unreachable")
+        finally:
+            _rereading.active = False
+
+    return cast(_Load, run)
 
 
 class NvcompReader(StorageReader):
@@ -137,6 +190,8 @@ class NvcompReader(StorageReader):
         self.last_report: Report | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._decoders = threading.local()
+        #: (fqn, chunk offsets) -> (dtype, chunk shape), built from .metadata on first use
+        self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -171,6 +226,7 @@ class NvcompReader(StorageReader):
         if not isinstance(metadata.storage_data, dict):
             raise CorruptCheckpointError(f"{self.storage.url}: .metadata has no storage records")
         self.metadata = metadata
+        self._chunks = None
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -191,7 +247,21 @@ class NvcompReader(StorageReader):
         }
         # Read in file order so a local disk sees sequential-ish access.
         order = sorted(by_item, key=lambda ix: (self._record(ix).relative_path, self._record(ix).offset))
-        for index, header, data in self._fetch_and_decode(order, devices, stock, report):
+
+        def destination(index: MetadataIndex) -> torch.Tensor | None:
+            """Where a whole large stock item goes, resolved just before its read is queued,
+            so its bytes are read straight into it (see StockItemReader.read)."""
+            reqs = by_item[index]
+            if len(reqs) != 1 or reqs[0].type != LoadItemType.TENSOR:
+                return None
+            dtype, shape = self._expected(index)
+            if dtype is None or shape is None or tensor_nbytes(shape, dtype) < DIRECT_MIN_BYTES:
+                return None
+            if any(reqs[0].storage_offsets) or tuple(reqs[0].lengths) != shape:
+                return None
+            return planner.resolve_tensor(reqs[0]).detach()
+
+        for index, header, data in self._fetch_and_decode(order, devices, stock, report, destination):
             for req in by_item[index]:
                 if header is None:
                     self._commit_stock(req, data, planner)
@@ -236,15 +306,20 @@ class NvcompReader(StorageReader):
         info = self._record(index)
         return f"{self.storage.describe(info.relative_path)} @ {info.offset} item {describe_index(index)}"
 
-    def load_stock_item(self, index: MetadataIndex, report: Report | None = None) -> torch.Tensor | Buffer:
+    def load_stock_item(
+        self, index: MetadataIndex, report: Report | None = None, into: torch.Tensor | None = None,
+        files: OpenFiles | None = None,
+    ) -> torch.Tensor | Buffer:
         """Fetch and check one stock item: a CPU tensor of the chunk's dtype and shape, or a byte
-        item's bytes (what ``dcp.save``'s planner stored: stock stores byte items raw)."""
+        item's bytes (what ``dcp.save``'s planner stored: stock stores byte items raw). With
+        ``into`` (the whole item's destination), the bytes may go straight there: then ``into``
+        itself is returned. ``files`` keeps local data files open across calls."""
         info = self._record(index)
         dtype, shape = self._expected(index)
         t0 = time.perf_counter()
         item = self.stock.read(
             self.storage, info.relative_path, info.offset, info.length, info.transform_descriptors,
-            dtype, shape, self.where(index),
+            dtype, shape, self.where(index), into, files,
         )
         if report is not None:
             raw = item.nbytes if isinstance(item, torch.Tensor) else memoryview(item).nbytes
@@ -253,11 +328,18 @@ class NvcompReader(StorageReader):
 
     def _expected(self, index: MetadataIndex) -> tuple[torch.dtype | None, tuple[int, ...] | None]:
         assert self.metadata is not None
+        if self._chunks is None:
+            self._chunks = {
+                (fqn, tuple(chunk.offsets)): (md.properties.dtype, tuple(chunk.sizes))
+                for fqn, md in self.metadata.state_dict_metadata.items()
+                if isinstance(md, TensorStorageMetadata)
+                for chunk in md.chunks
+            }
+        found = self._chunks.get((index.fqn, tuple(index.offset or ())))
+        if found is not None:
+            return found
         md = self.metadata.state_dict_metadata.get(index.fqn)
         if isinstance(md, TensorStorageMetadata):
-            for chunk in md.chunks:
-                if tuple(chunk.offsets) == tuple(index.offset or ()):
-                    return md.properties.dtype, tuple(chunk.sizes)
             return md.properties.dtype, None
         if isinstance(md, BytesStorageMetadata):
             return None, None
@@ -288,6 +370,11 @@ class NvcompReader(StorageReader):
             )
         return cache[device]
 
+    #: Re-reads of an item's bytes that failed a check (CRC32C, header) before the checkpoint is
+    #: declared corrupt (see :func:`_rereads`); set it on the reader (0: none).
+    reread_attempts = 2
+
+    @_rereads
     def load_item(
         self, index: MetadataIndex, report: Report, device: torch.device | None = None
     ) -> tuple[ItemHeader, np.ndarray | torch.Tensor]:
@@ -309,6 +396,7 @@ class NvcompReader(StorageReader):
         report.add(header.raw_nbytes, length, read_s=t1 - t0, decode_s=time.perf_counter() - t1)
         return header, host_raw
 
+    @_rereads
     def _load_gpu_batch(
         self, indexes: list[MetadataIndex], device: torch.device, report: Report
     ) -> list[tuple[MetadataIndex, ItemHeader, torch.Tensor]]:
@@ -406,15 +494,28 @@ class NvcompReader(StorageReader):
     def _fetch_and_decode(
         self, order: list[MetadataIndex], devices: dict[MetadataIndex, torch.device | None],
         stock: set[MetadataIndex], report: Report,
+        destination: Callable[[MetadataIndex], torch.Tensor | None] = lambda index: None,
     ) -> Iterator[tuple[MetadataIndex, ItemHeader | None, Any]]:
         """Run item loads (CPU, stock items too) and batch loads (GPU) on the I/O pool, a bounded
-        window ahead. A stock item comes with header None and its tensor or bytes."""
-        tasks: list[Callable[[], Sequence[tuple[MetadataIndex, ItemHeader | None, Any]]]] = []
+        window ahead. A stock item comes with header None and a :class:`_StockLoaded`; its
+        ``destination`` is resolved (on this thread) when its read is queued."""
+        tasks: list[Callable[[], Sequence[tuple[MetadataIndex, ItemHeader | None, Any]]] | _StockRun] = []
+        # Consecutive stock items go as one task, up to a few MiB: small items are often many.
+        run: list[MetadataIndex] = []
+        run_bytes = 0
         for index in order:
             if index in stock:
-                tasks.append(functools.partial(self._load_stock_task, index, report))
-            elif devices[index] is None:
+                run.append(index)
+                run_bytes += self._record(index).length
+                if run_bytes < STOCK_BATCH_BYTES and len(run) < STOCK_BATCH_ITEMS:
+                    continue
+            if run:
+                tasks.append(_StockRun(run))
+                run, run_bytes = [], 0
+            if index not in stock and devices[index] is None:
                 tasks.append(functools.partial(self._load_cpu_task, index, report))
+        if run:
+            tasks.append(_StockRun(run))
         for device, batch in self._gpu_batches([ix for ix in order if devices[ix] is not None], devices):
             tasks.append(functools.partial(self._load_gpu_batch, batch, device, report))
         window = READ_WINDOW_PER_THREAD * self.thread_count
@@ -422,6 +523,9 @@ class NvcompReader(StorageReader):
             pending: list[PyFuture[Sequence[tuple[MetadataIndex, ItemHeader | None, Any]]]] = []
             try:
                 for task in tasks:
+                    if isinstance(task, _StockRun):
+                        targets = [destination(index) for index in task.indexes]
+                        task = functools.partial(self._load_stock_run, task.indexes, targets, report)
                     pending.append(io_pool.submit(task))
                     if len(pending) >= window:
                         yield from pending.pop(0).result()
@@ -435,8 +539,15 @@ class NvcompReader(StorageReader):
         header, raw = self.load_item(index, report)
         return [(index, header, raw)]
 
-    def _load_stock_task(self, index: MetadataIndex, report: Report) -> list[tuple[MetadataIndex, ItemHeader | None, Any]]:
-        return [(index, None, self.load_stock_item(index, report))]
+    def _load_stock_run(
+        self, indexes: list[MetadataIndex], targets: list[torch.Tensor | None], report: Report
+    ) -> list[tuple[MetadataIndex, ItemHeader | None, Any]]:
+        with contextlib.ExitStack() as stack:
+            files = stack.enter_context(OpenFiles(self.storage)) if isinstance(self.storage, LocalStorage) else None
+            return [
+                (index, None, _StockLoaded(self.load_stock_item(index, report, target, files), target))
+                for index, target in zip(indexes, targets)
+            ]
 
     @staticmethod
     def _commit(req: ReadItem, header: ItemHeader, raw: np.ndarray | torch.Tensor, planner: LoadPlanner) -> None:
@@ -449,7 +560,11 @@ class NvcompReader(StorageReader):
         NvcompReader._commit_tensor(req, flat.view(dtype).reshape(header.shape), planner)
 
     @staticmethod
-    def _commit_stock(req: ReadItem, item: torch.Tensor | Buffer, planner: LoadPlanner) -> None:
+    def _commit_stock(req: ReadItem, loaded: _StockLoaded, planner: LoadPlanner) -> None:
+        item, target = loaded.item, loaded.target
+        if target is not None and item is target:  # its bytes were read straight into place
+            planner.commit_tensor(req, target)
+            return
         if req.type == LoadItemType.BYTE_IO:
             if isinstance(item, torch.Tensor):
                 raise CorruptCheckpointError(f"item {describe_index(req.storage_index)}: stored a tensor, planner wants bytes")
@@ -457,12 +572,15 @@ class NvcompReader(StorageReader):
             return
         if not isinstance(item, torch.Tensor):
             raise CorruptCheckpointError(f"item {describe_index(req.storage_index)}: stored bytes, planner wants a tensor")
-        NvcompReader._commit_tensor(req, item, planner)
+        NvcompReader._commit_tensor(req, item, planner, target)
 
     @staticmethod
-    def _commit_tensor(req: ReadItem, stored: torch.Tensor, planner: LoadPlanner) -> None:
+    def _commit_tensor(
+        req: ReadItem, stored: torch.Tensor, planner: LoadPlanner, target: torch.Tensor | None = None
+    ) -> None:
         src = narrow(stored, req.storage_offsets, req.lengths)
-        target = planner.resolve_tensor(req).detach()
+        if target is None:
+            target = planner.resolve_tensor(req).detach()
         if target.shape != src.shape:
             raise CorruptCheckpointError(
                 f"item {describe_index(req.storage_index)}: planner wants {tuple(target.shape)}, "
@@ -470,6 +588,22 @@ class NvcompReader(StorageReader):
             )
         target.copy_(src)
         planner.commit_tensor(req, target)
+
+
+@dataclasses.dataclass
+class _StockRun:
+    """Consecutive stock items, loaded by one I/O task."""
+
+    indexes: list[MetadataIndex]
+
+
+@dataclasses.dataclass
+class _StockLoaded:
+    """A loaded stock item (tensor or bytes) and the destination resolved for it, if any; when
+    ``item is target`` its bytes are already in place."""
+
+    item: torch.Tensor | Buffer
+    target: torch.Tensor | None
 
 
 @contextlib.contextmanager

@@ -39,7 +39,7 @@ import time
 import weakref
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -54,6 +54,9 @@ from nvdcp.gpu.config import GpuConfig
 from nvdcp.pipeline.config import EncodeConfig
 from nvdcp.pipeline.cpu import EncodedItem
 from nvdcp.pipeline.encoder import ItemEncoder
+
+if TYPE_CHECKING:
+    from nvdcp.gpu.encoder import GpuJob
 
 logger = logging.getLogger(__name__)
 
@@ -438,7 +441,7 @@ class NvcompStager:
         self._gpu_ok = gpu_available()  # once per save, not per tensor
         try:
             assert self._buffers is not None
-            gpu_jobs: list[Any] = []
+            gpu_jobs: list[GpuJob] = []
             copies: list[tuple[torch.Tensor, torch.Tensor]] = []
             staged = self._walk(state_dict, (), lease, gpu_jobs, copies, stats)
             if copies:
@@ -514,7 +517,7 @@ class NvcompStager:
             self._idle.set()
 
     # -- the walk: same structure, tensors become StagedTensors --------------------------------
-    def _walk(self, obj: Any, path: tuple[Any, ...], lease: _Lease, gpu_jobs: list[Any],
+    def _walk(self, obj: Any, path: tuple[Any, ...], lease: _Lease, gpu_jobs: list[GpuJob],
               copies: list[tuple[torch.Tensor, torch.Tensor]], stats: StageStats) -> Any:
         if isinstance(obj, torch.Tensor):
             return self._stage_tensor(obj, path, lease, gpu_jobs, copies, stats)
@@ -525,7 +528,7 @@ class NvcompStager:
         # DCP pickles every other leaf whole (tuples included): a deep copy on the host.
         return _host_deepcopy(obj)
 
-    def _stage_tensor(self, obj: torch.Tensor, path: tuple[Any, ...], lease: _Lease, gpu_jobs: list[Any],
+    def _stage_tensor(self, obj: torch.Tensor, path: tuple[Any, ...], lease: _Lease, gpu_jobs: list[GpuJob],
                       copies: list[tuple[torch.Tensor, torch.Tensor]], stats: StageStats) -> StagedTensor:
         from torch.distributed.checkpoint.planner_helpers import _create_write_items
         from torch.distributed.checkpoint.utils import find_tensor_shard
@@ -597,7 +600,7 @@ class NvcompStager:
         return EncodedItem(encoded.header, encoded.header_bytes, views)
 
     # -- GPU compression -------------------------------------------------------------------------
-    def _encode_on_gpu(self, jobs: list[Any], stats: StageStats) -> None:
+    def _encode_on_gpu(self, jobs: list[GpuJob], stats: StageStats) -> None:
         assert self._buffers is not None
         # When stage_gpu_jobs() returns, every read of the tensors is over (training may go on)
         # and the stored chunks are in our host buffers; checksums and headers are host work on

@@ -19,6 +19,7 @@ intermediate copy of the record is made; other storages fetch the record with on
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import threading
@@ -47,6 +48,9 @@ def is_nvdcp_record(info: object) -> bool:
 
 #: Records up to this size are read whole, in one system call.
 WHOLE_RECORD_BYTES = 64 << 10
+#: Records at least this big are read straight into their destination when it allows (below,
+#: parsing the archive twice costs more than the copy it saves).
+DIRECT_MIN_BYTES = 1 << 20
 #: ``torch.load`` reads a zip's headers with ~20 small reads near the record's start and end;
 #: :class:`_RangeFile` serves them from (at most two) cached blocks of this size.
 _BLOCK = 16 << 10
@@ -150,6 +154,50 @@ class _BufferFile(io.RawIOBase):
         return len(chunk)
 
 
+def _in_memory(record: Buffer) -> io.BytesIO | _BufferFile:
+    """A fetched record as a stream: ``BytesIO`` (its ``readinto`` is C, and torch.load makes
+    ~20 small reads) for ``bytes``, which it shares without copying, and for small records;
+    large buffers of other kinds without copying them first."""
+    if isinstance(record, bytes):
+        return io.BytesIO(record)
+    if len(record) <= WHOLE_RECORD_BYTES:
+        return io.BytesIO(bytes(record))
+    return _BufferFile(record)
+
+
+class OpenFiles:
+    """Data files of a local checkpoint, each opened once and kept open until :meth:`close`
+    (or the ``with`` block ends): consecutive items of one file cost no ``open`` each."""
+
+    def __init__(self, storage: LocalStorage) -> None:
+        self.storage = storage
+        self._open: dict[str, tuple[str, int, int]] = {}
+
+    def get(self, name: str) -> tuple[str, int, int]:
+        """``(path, fd, size)`` of data file ``name``."""
+        found = self._open.get(name)
+        if found is None:
+            path, fd = self.storage._open_for_read(name)
+            try:
+                size = os.fstat(fd).st_size
+            except BaseException:
+                os.close(fd)
+                raise
+            found = self._open[name] = (path, fd, size)
+        return found
+
+    def close(self) -> None:
+        while self._open:
+            _, (_, fd, _) = self._open.popitem()
+            os.close(fd)
+
+    def __enter__(self) -> OpenFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class StockItemReader:
     """Reads stock items by byte range: undoes the record's stream transforms, ``torch.load``\\ s
     tensors (``weights_only=True``, on the CPU) and checks them against ``.metadata``.
@@ -173,9 +221,22 @@ class StockItemReader:
         dtype: torch.dtype | None,
         shape: tuple[int, ...] | None,
         where: str,
+        into: torch.Tensor | None = None,
+        files: OpenFiles | None = None,
     ) -> torch.Tensor | Buffer:
         """One item: a CPU tensor of ``dtype`` and ``shape``, or (``dtype`` None) the byte
-        item's bytes. ``where`` names the item in errors (file, offset, item)."""
+        item's bytes. ``where`` names the item in errors (file, offset, item).
+
+        ``into``: where the whole item goes (its load destination). When it can (a contiguous
+        CPU tensor of the item's dtype and shape, of at least :data:`DIRECT_MIN_BYTES`), the
+        reader copies the tensor's bytes straight into it (from the file, or from the record
+        once its transforms are undone) and returns ``into`` itself: no intermediate tensor, no
+        second copy. Otherwise, or when the blob is not the simple layout it expects, it loads
+        as usual.
+
+        ``files``: local data files kept open across calls (:class:`OpenFiles`); default: the
+        file is opened for this item only.
+        """
         descs = tuple(descriptors or ())
         if dtype is None:
             record = _fetch(storage, name, offset, length, where)
@@ -186,23 +247,32 @@ class StockItemReader:
                 raise CorruptCheckpointError(
                     f"{where}: record of {length} bytes cannot hold a {dtype} {list(shape)} tensor ({needed} bytes)"
                 )
+        stream: Any
         if descs or not isinstance(storage, LocalStorage):
             record = _fetch(storage, name, offset, length, where)
             if descs:
                 record = self._untransformed(record, descs, where)
-            return _load_tensor(_BufferFile(record), dtype, shape, where)
-        path, fd = storage._open_for_read(name)
-        try:
-            size = os.fstat(fd).st_size
+            stream = _in_memory(record)
+            size = len(record)
+            if into is not None and _fillable(into, dtype, shape) and _fill(stream, into, size, where):
+                return into
+            stream.seek(0)
+            return _load_tensor(stream, dtype, shape, where)
+        with contextlib.ExitStack() as stack:
+            if files is None:
+                files = stack.enter_context(OpenFiles(storage))
+            path, fd, size = files.get(name)
             if offset + length > size:
                 raise TruncatedCheckpointError(
                     f"{where}: wanted {length} bytes at offset {offset}, {path} ends after {max(0, size - offset)}"
                 )
             if length <= WHOLE_RECORD_BYTES:
-                return _load_tensor(_BufferFile(os.pread(fd, length, offset)), dtype, shape, where)
-            return _load_tensor(_RangeFile(fd, offset, length), dtype, shape, where)
-        finally:
-            os.close(fd)
+                return _load_tensor(io.BytesIO(os.pread(fd, length, offset)), dtype, shape, where)
+            stream = _RangeFile(fd, offset, length)
+            if into is not None and _fillable(into, dtype, shape) and _fill(stream, into, length, where):
+                return into
+            stream.seek(0)
+            return _load_tensor(stream, dtype, shape, where)
 
     def _untransformed(self, record: Buffer, descs: tuple[str, ...], where: str) -> bytes:
         """The record with its stream transforms undone, all in memory."""
@@ -222,6 +292,55 @@ def _fetch(storage: Storage, name: str, offset: int, length: int, where: str) ->
         return storage.read_range(name, offset, length)
     except TruncatedCheckpointError as exc:
         raise TruncatedCheckpointError(f"{where}: {exc}") from exc
+
+
+def _fillable(into: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...] | None) -> bool:
+    return (
+        shape is not None and into.device.type == "cpu" and into.dtype == dtype and tuple(into.shape) == tuple(shape)
+        and into.numel() * into.element_size() >= DIRECT_MIN_BYTES and into.is_contiguous() and not into.requires_grad
+    )
+
+
+def _fill(stream: io.BytesIO | _RangeFile | _BufferFile, into: torch.Tensor, length: int, where: str) -> bool:
+    """Read a ``torch.save``'d tensor's bytes straight into ``into``, or return False (nothing
+    written) when the blob is not one contiguous little-endian tensor whose bytes lie inside the
+    record (the caller then loads it the usual way, which names what is wrong).
+
+    ``torch.load(map_location="meta", weights_only=True)`` checks and rebuilds the tensor's
+    metadata without reading its bytes and records where its storage starts in the archive
+    (``_checkpoint_offset``); the archive's ``byteorder`` record must be this machine's.
+    """
+    import sys
+
+    try:
+        meta = torch.load(stream, map_location="meta", weights_only=True)  # type: ignore[arg-type]
+        if not isinstance(meta, torch.Tensor) or meta.dtype != into.dtype or meta.shape != into.shape:
+            return False
+        start = getattr(meta.untyped_storage(), "_checkpoint_offset", None)
+        if type(start) is not int or start < 0 or not meta.is_contiguous() or meta.storage_offset() < 0:
+            return False
+        stream.seek(0)
+        archive_reader: Any = torch._C.PyTorchFileReader
+        archive = archive_reader(stream)
+        if not archive.has_record("byteorder") or archive.get_record("byteorder") != sys.byteorder.encode():
+            return False
+        nbytes = into.numel() * into.element_size()
+        skip = int(meta.storage_offset()) * into.element_size()
+        first = start + skip
+        if first + nbytes > length or skip + nbytes > meta.untyped_storage().nbytes():
+            return False
+        dest = memoryview(into.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+    except Exception:  # a damaged blob, an older torch without _checkpoint_offset...
+        return False
+    if nbytes:
+        stream.seek(first)
+        got = 0
+        while got < nbytes:
+            k = stream.readinto(dest[got:])
+            if not k:
+                raise TruncatedCheckpointError(f"{where}: the tensor's bytes end after {got} of {nbytes}")
+            got += k
+    return True
 
 
 def _load_tensor(stream: Any, dtype: torch.dtype, shape: tuple[int, ...] | None, where: str) -> torch.Tensor:
@@ -281,4 +400,4 @@ def merge_fsspec_kwargs(
     return options
 
 
-__all__ = ["StockItemReader", "is_nvdcp_record", "merge_fsspec_kwargs", "warn_once"]
+__all__ = ["OpenFiles", "StockItemReader", "is_nvdcp_record", "merge_fsspec_kwargs", "warn_once"]

@@ -23,8 +23,10 @@ Modes: ``disabled`` saves with ``dcp.save``; ``async`` stages through an
 ``NvcompStager(return_future=True)`` (GPU compression into reused pinned buffers) and writes in
 torch's checkpoint process, as torchtitan does with ``DefaultStager``.
 
-Loading: nvdcp checkpoints through ``NvcompReader``; stock DCP checkpoints (written by
-torchtitan's own manager, seed checkpoints, ``initial_load_path``) load too.
+Loading: through ``NvcompReader``, which reads nvdcp and stock DCP checkpoints alike (written by
+torchtitan's own manager, seed checkpoints, an ``initial_load_path``). torchtitan's own manager
+cannot load an nvdcp checkpoint (torch's reader: ``ValueError: Unknown extension
+name='nvdcp.zstd'``); ``nvdcp convert SRC DST --to stock`` makes a stock copy.
 """
 
 from __future__ import annotations
@@ -76,13 +78,13 @@ class NvdcpCheckpointManager(CheckpointManager):
         """Uncompressed bytes per independently compressed chunk (1 KiB..64 KiB)."""
 
         codec_threads: int | None = None
-        """CPU threads compressing and decompressing (default: all cores)."""
+        """CPU threads compressing and decompressing; None: every core."""
 
         sync_files: bool = True
         """fsync data files, .metadata and the directory before a save counts as done."""
 
         load_thread_count: int | None = None
-        """Threads reading a checkpoint per rank (default: up to 8)."""
+        """Threads reading a checkpoint per rank; None: up to 8."""
 
         staging_buffer_bytes: int = GiB
         """Host memory the async stager keeps across saves (pinned when CUDA is present)."""
@@ -162,32 +164,12 @@ class NvdcpCheckpointManager(CheckpointManager):
         if from_hf:  # Hugging Face safetensors: torchtitan's adapter and reader
             super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
             return
-        if _holds_nvdcp_items(checkpoint_id):
-            dcp.load(state_dict, storage_reader=self.reader(checkpoint_id))
-        else:
-            # TODO: load stock checkpoints with NvcompReader too, once it reads them; until then
-            # torch picks its stock reader by path, as torchtitan's own manager does.
-            dcp.load(state_dict, checkpoint_id=checkpoint_id)
+        # NvcompReader reads nvdcp and stock DCP checkpoints alike (torchtitan's own, seed
+        # checkpoints, an initial_load_path written elsewhere).
+        dcp.load(state_dict, storage_reader=self.reader(checkpoint_id))
         # As torchtitan: model states are flattened into state_dict, so load them explicitly.
         if MODEL in self.states:
             self.states[MODEL].load_state_dict(state_dict)
-
-
-def _holds_nvdcp_items(checkpoint_id: str) -> bool:
-    """Whether the checkpoint's ``.metadata`` names any item nvdcp wrote (else: stock DCP)."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-
-    from nvdcp.dcp.any_metadata import load_any_metadata
-    from nvdcp.dcp.descriptor import PREFIX
-    from nvdcp.storage import open_storage
-
-    metadata = load_any_metadata(open_storage(checkpoint_id))
-    records = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
-    return any(
-        isinstance(info, _StorageInfo)
-        and any(isinstance(d, str) and d.startswith(PREFIX) for d in (info.transform_descriptors or ()))
-        for info in records.values()
-    )
 
 
 @override(

@@ -20,6 +20,11 @@ splits large spans into ``read_part_size`` pieces and fetches them concurrently.
 Retries: botocore retries each HTTP request (``retry_mode``/``max_attempts``: throttling, 5xx,
 dropped connections). nvdcp adds ``part_retries`` attempts around whole operations, because
 botocore cannot retry a GET whose body is cut mid-stream, and gives up on a part after its attempts.
+Bytes damaged in transit get ``digest_retries`` attempts of their own: an upload the server refuses
+with ``BadDigest`` (the checksum nvdcp sent does not match what arrived) is sent again from nvdcp's
+buffer, and a whole-object GET whose CRC32C does not match the server's record is read again.
+Ranged reads carry no server checksum: the reader checks each chunk's CRC32C and reads the range
+again (:meth:`S3Storage.forget_cached` drops readahead blocks first).
 
 Errors from botocore are translated in :func:`translate_error` only, into :mod:`nvdcp.errors`
 classes whose messages name the ``s3://`` URL and never contain credentials.
@@ -79,9 +84,15 @@ _MISSING_CODES = frozenset({"NoSuchKey", "NotFound", "404"})
 _TRANSIENT_CODES = frozenset({
     "SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
     "InternalError", "ServiceUnavailable", "503", "500", "502", "504", "RequestLimitExceeded",
-    # The body arrived damaged: sending the same bytes again is the cure.
-    "BadDigest", "XAmzContentChecksumMismatch", "IncompleteBody",
+    "IncompleteBody",
 })
+#: The server refused an upload whose bytes do not match the checksum sent with them: they were
+#: damaged in transit, and sending the same bytes again is the cure (``digest_retries``).
+_DIGEST_CODES = frozenset({"BadDigest", "XAmzContentChecksumMismatch", "XAmzContentSHA256Mismatch"})
+
+
+class DamagedDownloadError(CorruptCheckpointError):
+    """A whole-object GET whose bytes do not match the server's CRC32C record (retried first)."""
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:
@@ -115,11 +126,25 @@ def _scrub(text: str, secrets: Iterable[str]) -> str:
     return text
 
 
+def is_damaged_in_transit(exc: BaseException) -> bool:
+    """Whether ``exc`` says the bytes of a request or answer were damaged on the way: an upload the
+    server refused for a checksum mismatch, or a download that does not match the server's checksum."""
+    from botocore import exceptions as bex
+
+    if isinstance(exc, DamagedDownloadError):
+        return True
+    if isinstance(exc, bex.ClientError):
+        return _client_error_fields(exc)[0] in _DIGEST_CODES
+    return isinstance(exc, bex.FlexibleChecksumError)
+
+
 def is_retryable(exc: BaseException) -> bool:
     """Whether another attempt of the same idempotent request may succeed."""
     from botocore import exceptions as bex
     from urllib3 import exceptions as u3
 
+    if is_damaged_in_transit(exc):
+        return True
     if isinstance(exc, bex.ClientError):
         code, status, _ = _client_error_fields(exc)
         return code in _TRANSIENT_CODES or status in (500, 502, 503, 504)
@@ -156,6 +181,10 @@ def translate_error(exc: BaseException, where: str, op: str, secrets: Iterable[s
             err = S3AccessDeniedError(errno.EACCES, f"{where}: {op}: access denied{hint} ({why})")
         elif code in _MISSING_CODES or status == 404:
             err = MissingDataFileError(f"{where}: object does not exist ({why})")
+        elif code in _DIGEST_CODES:
+            err = StorageUnavailableError(
+                errno.EIO, f"{where}: {op}: the server refused the bytes as damaged in transit on every attempt ({why})"
+            )
         elif code == "InvalidRange" or status == 416:
             err = TruncatedCheckpointError(f"{where}: {op}: requested range lies beyond the end of the object ({why})")
         elif code in _TRANSIENT_CODES or (status or 0) >= 500:
@@ -164,6 +193,8 @@ def translate_error(exc: BaseException, where: str, op: str, secrets: Iterable[s
             err = StorageError(errno.EIO, f"{where}: {op} failed ({why})")
     elif isinstance(exc, (bex.NoCredentialsError, bex.PartialCredentialsError, bex.CredentialRetrievalError)):
         err = StorageCredentialsError(errno.EACCES, f"{where}: {op}: no usable AWS credentials ({type(exc).__name__})")
+    elif isinstance(exc, bex.FlexibleChecksumError):
+        err = CorruptCheckpointError(f"{where}: {op}: downloaded bytes do not match the server's checksum on every attempt ({exc})")
     elif isinstance(exc, bex.ParamValidationError):
         err = StorageError(errno.EINVAL, f"{where}: {op}: invalid request: {exc}")
     elif is_retryable(exc):
@@ -322,22 +353,34 @@ class S3Storage(Storage):
         return f"{self.prefix}/{name}" if self.prefix else name
 
     def call(self, op: str, where: str, fn: Callable[[], T]) -> T:
-        """Run ``fn`` (one idempotent S3 operation) with nvdcp's retries; raise translated errors."""
-        retries = self.config.part_retries
-        for attempt in range(retries + 1):
+        """Run ``fn`` (one idempotent S3 operation) with nvdcp's retries; raise translated errors.
+
+        Failures get ``part_retries`` more attempts; bytes damaged in transit (``BadDigest``, a
+        download not matching the server's checksum) get ``digest_retries`` of their own.
+        """
+        cfg = self.config
+        failed = damaged = 0
+        while True:
             try:
                 return fn()
             except Exception as exc:
-                if attempt < retries and is_retryable(exc):
-                    delay = random.uniform(0, min(self.config.retry_backoff_max_s, self.config.retry_backoff_s * 2**attempt))
-                    logger.warning(
-                        "%s: %s failed (%s), attempt %d of %d, retrying in %.2fs",
-                        where, op, type(exc).__name__, attempt + 1, retries + 1, delay,
-                    )
-                    time.sleep(delay)
+                if is_damaged_in_transit(exc):
+                    if damaged < cfg.digest_retries:
+                        damaged += 1
+                        self._pause(where, op, exc, "bytes damaged in transit", damaged, cfg.digest_retries)
+                        continue
+                elif failed < cfg.part_retries and is_retryable(exc):
+                    failed += 1
+                    self._pause(where, op, exc, "failed", failed, cfg.part_retries)
                     continue
                 raise translate_error(exc, where, op, self._secrets()) from exc
-        raise AssertionError("unreachable")
+
+    def _pause(self, where: str, op: str, exc: BaseException, what: str, retry: int, retries: int) -> None:
+        cfg = self.config
+        delay = random.uniform(0, min(cfg.retry_backoff_max_s, cfg.retry_backoff_s * 2 ** (retry - 1)))
+        code = _client_error_fields(exc)[0] or type(exc).__name__
+        logger.warning("%s: %s %s (%s), retry %d of %d in %.2fs", where, op, what, code, retry, retries, delay)
+        time.sleep(delay)
 
     def _checksum_args(self, data: Buffer) -> dict[str, str]:
         if self.config.checksum == "MD5":
@@ -383,6 +426,14 @@ class S3Storage(Storage):
             return b""  # the block starts past the end of the object
         del buf[got:]
         return buf  # type: ignore[return-value]
+
+    def forget_cached(self, name: str | None = None) -> None:
+        """Drop readahead blocks of object ``name`` (None: of every object), so the next read of
+        them goes to S3: a reader whose chunk CRC32C check failed reads the range again this way."""
+        if name is None:
+            self._blocks = BlockCache(self.config.readahead_blocks)  # reads under way finish on the old one
+        else:
+            self._blocks.forget(self.key(name))
 
     def read_ranges(self, name: str, ranges: Sequence[tuple[int, int]]) -> list[Buffer]:
         key, where = self.key(name), self.describe(name)
@@ -455,17 +506,18 @@ class S3Storage(Storage):
     def read(self, name: str) -> bytes:
         key, where = self.key(name), self.describe(name)
 
-        def get() -> tuple[bytes, dict[str, Any]]:
+        def get() -> bytes:
             resp = self.client.get_object(Bucket=self.bucket, Key=key, ChecksumMode="ENABLED")
-            return resp["Body"].read(), resp
+            data: bytes = resp["Body"].read()
+            stored = resp.get("ChecksumCRC32C")
+            # A composite (multipart) checksum ends in "-<parts>" and covers part checksums, not the bytes.
+            full_object = stored and "-" not in stored and resp.get("ChecksumType", "FULL_OBJECT") == "FULL_OBJECT"
+            if full_object and _crc32c_b64(data) != stored:
+                # Damaged on the way (read again, digest_retries) or in storage (every read fails).
+                raise DamagedDownloadError(f"{where}: CRC32C of the downloaded bytes does not match S3's record")
+            return data
 
-        data, resp = self.call("GetObject", where, get)
-        stored = resp.get("ChecksumCRC32C")
-        # A composite (multipart) checksum ends in "-<parts>" and covers part checksums, not the bytes.
-        full_object = stored and "-" not in stored and resp.get("ChecksumType", "FULL_OBJECT") == "FULL_OBJECT"
-        if full_object and _crc32c_b64(data) != stored:
-            raise CorruptCheckpointError(f"{where}: CRC32C of the downloaded bytes does not match S3's record")
-        return data
+        return self.call("GetObject", where, get)
 
     def size(self, name: str) -> int:
         key, where = self.key(name), self.describe(name)
@@ -753,4 +805,7 @@ class _S3WriteStream(WriteStream):
             )
 
 
-__all__ = ["S3Config", "S3Storage", "coalesce", "is_retryable", "parse_s3_url", "translate_error"]
+__all__ = [
+    "DamagedDownloadError", "S3Config", "S3Storage", "coalesce", "is_damaged_in_transit", "is_retryable",
+    "parse_s3_url", "translate_error",
+]

@@ -69,6 +69,11 @@ class S3Config:
             5xx, dropped connections), with exponential backoff.
         part_retries: extra attempts nvdcp makes for one part upload, GET body or PUT after botocore
             gave up or failed outside its scope (a connection cut while a GET body streams).
+        digest_retries: extra attempts nvdcp makes when bytes were damaged in transit: a PUT or
+            part the server refused because its checksum did not match what arrived (``BadDigest``;
+            the retry sends the same bytes again from nvdcp's buffer), or a whole-object GET whose
+            CRC32C does not match the server's record. Counted apart from ``part_retries``; once
+            they are spent a multipart upload is aborted (nothing is left behind).
         retry_backoff_s, retry_backoff_max_s: full-jitter exponential backoff of those extra attempts.
         connect_timeout_s, read_timeout_s: socket timeouts per request.
         addressing_style: ``"auto"``, ``"path"`` or ``"virtual"`` bucket addressing.
@@ -94,6 +99,7 @@ class S3Config:
     retry_mode: Literal["standard", "adaptive", "legacy"] = "standard"
     max_attempts: int = 8
     part_retries: int = 3
+    digest_retries: int = 3
     retry_backoff_s: float = 0.2
     retry_backoff_max_s: float = 20.0
     connect_timeout_s: float = 10.0
@@ -141,6 +147,7 @@ class S3Config:
     def _check_retries(self) -> None:
         _int_in("max_attempts", self.max_attempts, 1, 100)
         _int_in("part_retries", self.part_retries, 0, 100)
+        _int_in("digest_retries", self.digest_retries, 0, 100)
         for name in ("retry_backoff_s", "retry_backoff_max_s", "connect_timeout_s", "read_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:

