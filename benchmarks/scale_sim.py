@@ -194,15 +194,17 @@ class Meter:
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self.cpu_seconds: dict[str, float] = {}
         self.memory: dict[str, dict[str, int]] = {}
 
     @contextmanager
     def step(self, name: str) -> Iterator[None]:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         try:
             yield
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+            self.cpu_seconds[name] = self.cpu_seconds.get(name, 0.0) + time.process_time() - c0
 
     @contextmanager
     def memory_of(self, name: str) -> Iterator[None]:
@@ -279,7 +281,7 @@ def save_worker(writer_kind: str, ranks: int, items: int, path: str, profile: st
     return {
         "side": "save", "writer": writer_kind, "ranks": ranks, "items_per_rank": items, "items": n_items,
         "data_files": data_files, "metadata_bytes": os.path.getsize(os.path.join(path, ".metadata")),
-        "seconds": meter.seconds, "memory": meter.memory,
+        "seconds": meter.seconds, "cpu_seconds": meter.cpu_seconds, "memory": meter.memory,
         "coordinator_s": meter.seconds["prepare_global_plan"] + meter.seconds["finish"],
     }
 
@@ -349,7 +351,7 @@ def load_worker(reader_kind: str, ranks: int, items: int, path: str, profile: st
     _dump_profile(prof, profile)
     return {
         "side": "load", "writer": reader_kind, "ranks": ranks, "items_per_rank": items,
-        "read_items": len(plan.items), "seconds": meter.seconds, "memory": meter.memory,
+        "read_items": len(plan.items), "seconds": meter.seconds, "cpu_seconds": meter.cpu_seconds, "memory": meter.memory,
     }
 
 
@@ -374,11 +376,12 @@ def dcp_worker(ranks: int, items: int, validate: bool) -> dict[str, Any]:
                 errors = _validate_global_plan(global_plans, metadata)
             assert not errors, errors[:3]
     return {"side": "dcp", "ranks": ranks, "items_per_rank": items, "validated": validate,
-            "seconds": meter.seconds, "memory": meter.memory}
+            "seconds": meter.seconds, "cpu_seconds": meter.cpu_seconds, "memory": meter.memory}
 
 
-def check_worker(ranks: int, url: str, endpoint: str, files_per_rank: int = 1) -> dict[str, Any]:
-    """The commit check alone against S3 (one small object per rank and file)."""
+def check_worker(ranks: int, url: str, endpoint: str) -> dict[str, Any]:
+    """The commit check alone against S3 (credentials from the environment): one small object
+    per rank, 8 records each; timed through the listing and, as before, one HEAD per file."""
     from concurrent.futures import ThreadPoolExecutor
 
     from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -387,20 +390,26 @@ def check_worker(ranks: int, url: str, endpoint: str, files_per_rank: int = 1) -
     from nvdcp.storage import open_storage
 
     storage = open_storage(url, endpoint_url=endpoint)
-    names = [f"__{r}_{'ab' * 6}_{i}.nvdcp" for r in range(ranks) for i in range(files_per_rank)]
+    names = [f"__{r}_{'ab' * 6}_0.nvdcp" for r in range(ranks)]
     t0 = time.perf_counter()
     with ThreadPoolExecutor(16) as pool:
         list(pool.map(lambda n: storage.write_atomic(n, b"x" * 8), names))
     upload_s = time.perf_counter() - t0
     records = {(n, k): _StorageInfo(n, k, 1) for n in names for k in range(8)}
     guard = SaveGuard(storage)
-    best = math.inf
-    for _ in range(3):
-        t0 = time.perf_counter()
-        guard.check_data_files(records)
-        best = min(best, time.perf_counter() - t0)
+    timings: dict[str, float] = {}
+    for label, listing in (("listing", True), ("per_file", False)):
+        if not listing:
+            storage.list_sizes = lambda: None  # type: ignore[method-assign]  (the check before: a HEAD per file)
+        best = math.inf
+        for _ in range(3):
+            t0 = time.perf_counter()
+            guard.check_data_files(records)
+            best = min(best, time.perf_counter() - t0)
+        timings[label] = best
     storage.delete(names)
-    return {"side": "check", "ranks": ranks, "data_files": len(names), "commit_check_s": best, "upload_s": upload_s}
+    return {"side": "check", "ranks": ranks, "data_files": len(names), "commit_check_s": timings["listing"],
+            "commit_check_per_file_s": timings["per_file"], "upload_s": upload_s}
 
 
 def _profiler(path: str | None) -> Any:
@@ -424,14 +433,13 @@ def _dump_profile(prof: Any, path: str | None) -> None:
 
 
 # -- driver --------------------------------------------------------------------------------------
-def run_worker(argv: list[str], timeout: float) -> dict[str, Any]:
+def run_worker(argv: list[str], timeout: float, env: dict[str, str] | None = None) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "benchmarks.scale_sim", *argv]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} failed:\n{proc.stderr[-4000:]}")
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    out["process_max_rss_bytes"] = out.get("process_max_rss_bytes")
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     return out
 
@@ -549,22 +557,31 @@ def main(argv: list[str] | None = None) -> None:
     if rr:
         print("\nnvdcp / stock:")
         print(markdown_table(rr, list(rr[0])))
+    checks = [{"ranks": r["ranks"], "data files": r["data_files"], "listing s": r["commit_check_s"],
+               "a HEAD per file s": r["commit_check_per_file_s"]} for r in records if r["side"] == "check"]
+    if checks:
+        print("\ncommit check on SeaweedFS (loopback):")
+        print(markdown_table(checks, list(checks[0])))
     if not args.no_save:
         payload = {"ranks": args.ranks, "items_per_rank": args.items_per_rank, "max_items": args.max_items,
-                   "rows": rows, "ratios": rr, "records": records}
+                   "rows": rows, "ratios": rr, "seaweedfs_commit_check": checks, "records": records}
         print("written", write_results("scale_sim", payload, args.out))
 
 
 def seaweedfs_checks(ranks: list[int], timeout: float) -> list[dict[str, Any]]:
-    from nvdcp.testing import seaweedfs  # noqa: PLC0415 - optional, another module's server starter
+    """The commit check on a SeaweedFS server on loopback (nvdcp.testing.seaweedfs), per rank count."""
+    from nvdcp.testing.seaweedfs import SeaweedFS
 
     out = []
-    with seaweedfs.server() as server:  # type: ignore[attr-defined]
+    with SeaweedFS(bucket="nvdcp-scale-sim") as server:
+        env = {**os.environ, **server.env}
         for n in ranks:
             url = f"s3://{server.bucket}/scale-{n}"
-            rec = run_worker(["--worker", "check", "--ranks", str(n), "--url", url, "--endpoint", server.endpoint], timeout)
+            rec = run_worker(["--worker", "check", "--ranks", str(n), "--url", url, "--endpoint", server.endpoint],
+                             timeout, env=env)
             out.append(rec)
-            print(f"check seaweedfs ranks={n}: {rec['commit_check_s']:.3f}s", flush=True)
+            print(f"check seaweedfs ranks={n}: listing {rec['commit_check_s']:.3f}s, "
+                  f"a HEAD per file {rec['commit_check_per_file_s']:.3f}s", flush=True)
     return out
 
 

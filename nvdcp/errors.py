@@ -61,6 +61,11 @@ class NotACheckpointDirectoryError(NvdcpError, NotADirectoryError):
     """The checkpoint path exists but is a file."""
 
 
+class StaleSaveError(NvdcpError, RuntimeError):
+    """A save whose every item is byte-identical to the previous save of this process was refused
+    (``on_identical_save="error"``); nothing was committed, the previous checkpoint is intact."""
+
+
 class BucketNotFoundError(StorageError):
     """The bucket (or container) named in a storage URL does not exist.
 

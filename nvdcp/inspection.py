@@ -2,6 +2,8 @@
 
 Works on nvdcp checkpoints and on stock DCP ones (``FileSystemWriter``), whose items carry no
 header: their codec is ``torch.save`` (or torch's own stream extensions, named by descriptor).
+:func:`diff_checkpoints` compares two checkpoints item by item by their digests (recorded at save
+time, or computed from the item headers), again without fetching any payload.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from nvdcp.codecs import codec_id, codec_names
 from nvdcp.dcp import descriptor
 from nvdcp.dcp.any_metadata import load_any_metadata
 from nvdcp.errors import CorruptCheckpointError, NvdcpError
+from nvdcp.format.digest import RecordedDigests, digest_of_header, read_digests
 from nvdcp.format.header import (
     FILE_FIXED_SIZE,
     ITEM_FIXED_SIZE,
@@ -141,6 +144,10 @@ class Inspection:
     metadata_bytes: int
     items: list[Item]
     files: list[DataFile]
+    #: The save's per-item digests in ``.metadata`` (docs/FORMAT.md): ``"recorded"``,
+    #: ``"absent"``, ``"unsupported"`` (newer record) or ``"damaged"``; and in words.
+    digests: str = "absent"
+    digest_note: str = ""
 
     @property
     def errors(self) -> list[str]:
@@ -192,6 +199,7 @@ class Inspection:
                 for i in self.items
             ],
             "files": [asdict(f) for f in self.files],
+            "digests": {"status": self.digests, "note": self.digest_note},
             "errors": self.errors,
         }
 
@@ -325,7 +333,9 @@ def inspect_checkpoint(
         for name in file_names
     ]
     fmt = "mixed" if len(kinds) > 1 else (kinds.pop() if kinds else "nvdcp")
-    return Inspection(storage.url, fmt, getattr(metadata, "version", None), metadata_bytes, items, files)
+    digests = read_digests(metadata)
+    return Inspection(storage.url, fmt, getattr(metadata, "version", None), metadata_bytes, items, files,
+                      digests.status, digests.note)
 
 
 def _shard(storage: Storage, index: MetadataIndex, info: Any, md: Any, header: ItemHeader | str | None) -> Shard:
@@ -355,3 +365,172 @@ def _shard(storage: Storage, index: MetadataIndex, info: Any, md: Any, header: I
             f"{list(header.shape)} ({header.raw_nbytes} bytes), .metadata says {sizes} ({original} bytes)"
         )
     return shard
+
+
+# -- diff --------------------------------------------------------------------------------------
+@dataclass
+class DiffResult:
+    """What changed from checkpoint ``a`` to checkpoint ``b``, per state dict entry (FQN).
+
+    ``added``: only in ``b``; ``removed``: only in ``a``; ``changed``: in both, and some stored
+    shard differs (another digest, dtype or shape); ``unchanged``: every shard has the same
+    digest; ``unknown``: in both but not comparable without decoding (a stock item, which has no
+    header; an unreadable header; shards cut differently; another codec). ``reasons`` says why,
+    for ``changed`` and ``unknown`` entries. Digests compare stored records: the same values
+    stored with another codec, chunk size or encoder read as changed, never the other way round.
+    """
+
+    a: str
+    b: str
+    #: How each side's digests were had: ``"recorded"`` (``.metadata``) or ``"headers"`` (read
+    #: from the item headers: a checkpoint saved without digests).
+    sources: dict[str, str]
+    added: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    changed: list[str] = field(default_factory=list)
+    unchanged: list[str] = field(default_factory=list)
+    unknown: list[str] = field(default_factory=list)
+    reasons: dict[str, str] = field(default_factory=dict)
+    #: Item headers that could not be read (their entries are ``unknown``).
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def identical(self) -> bool:
+        return not (self.added or self.removed or self.changed or self.unknown)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "a": self.a, "b": self.b, "sources": self.sources, "identical": self.identical,
+            "counts": {k: len(getattr(self, k)) for k in ("added", "removed", "changed", "unchanged", "unknown")},
+            "added": self.added, "removed": self.removed, "changed": self.changed,
+            "unchanged": self.unchanged, "unknown": self.unknown, "reasons": self.reasons, "errors": self.errors,
+        }
+
+
+@dataclass
+class _Side:
+    url: str
+    metadata: Metadata
+    #: digest per MetadataIndex; None: no digest to be had (stock item, unreadable header)
+    digests: dict[MetadataIndex, int | None]
+    source: str
+    why_none: dict[MetadataIndex, str]
+
+
+def _is_nvdcp(info: Any) -> bool:
+    descs = getattr(info, "transform_descriptors", None) or ()
+    return any(isinstance(d, str) and d.startswith(descriptor.PREFIX) for d in descs)
+
+
+def _side(path: str | os.PathLike[str], storage_options: dict[str, Any] | None, threads: int) -> _Side:
+    storage = open_storage(path, **(storage_options or {}))
+    metadata: Metadata = load_any_metadata(storage)
+    records: dict[MetadataIndex, Any] = metadata.storage_data or {}
+    if not isinstance(records, dict):
+        raise CorruptCheckpointError(f"{storage.url}: .metadata has no storage records")
+    recorded: RecordedDigests = read_digests(metadata)
+    if recorded.by_index is not None:
+        return _Side(storage.url, metadata, dict(recorded.by_index), "recorded", {})
+    # No usable record: the digests are the item headers' CRCs, read as `inspect` reads them.
+    digests: dict[MetadataIndex, int | None] = {}
+    why: dict[MetadataIndex, str] = {}
+    by_file: dict[str, list[MetadataIndex]] = {}
+    for index, info in records.items():
+        if _is_nvdcp(info):
+            by_file.setdefault(info.relative_path, []).append(index)
+        else:
+            digests[index] = None
+            why[index] = "a stock DCP item (no header to compare)"
+
+    def one_file(name: str) -> None:
+        indexes = sorted(by_file[name], key=lambda ix: records[ix].offset)
+        found = _read_item_headers(storage, name, [(records[ix].offset, records[ix].length) for ix in indexes])
+        for ix, header in zip(indexes, found):
+            if isinstance(header, str):
+                digests[ix] = None
+                why[ix] = f"unreadable item header: {header}"
+            else:
+                digests[ix] = digest_of_header(header)
+
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        list(pool.map(one_file, sorted(by_file)))
+    return _Side(storage.url, metadata, digests, "headers", why)
+
+
+def _entry_type(md: Any) -> str:
+    if isinstance(md, TensorStorageMetadata):
+        return f"{dtype_name(md.properties.dtype)} {list(md.size)}"
+    return "bytes"
+
+
+def diff_checkpoints(
+    a: str | os.PathLike[str],
+    b: str | os.PathLike[str],
+    *,
+    storage_options: dict[str, Any] | None = None,
+    b_storage_options: dict[str, Any] | None = None,
+    threads: int = 8,
+) -> DiffResult:
+    """Compare checkpoint ``b`` with checkpoint ``a`` entry by entry, without decoding anything.
+
+    Each stored shard is compared by its digest (:mod:`nvdcp.format.digest`): the one recorded in
+    ``.metadata`` at save time, or, for a checkpoint saved without digests, the CRC32C of its item
+    header (one bounded read per item, no payload). ``storage_options`` opens ``a`` (and ``b``
+    unless ``b_storage_options`` is given).
+
+    Raises:
+        IncompleteCheckpointError: no ``.metadata`` at ``a`` or ``b``.
+        CorruptCheckpointError: a ``.metadata`` is unreadable.
+    """
+    side_a = _side(a, storage_options, threads)
+    side_b = _side(b, storage_options if b_storage_options is None else b_storage_options, threads)
+    result = DiffResult(side_a.url, side_b.url, {"a": side_a.source, "b": side_b.source})
+    for side in (side_a, side_b):
+        result.errors += sorted({why for why in side.why_none.values() if why.startswith("unreadable")})
+    sdm_a, sdm_b = side_a.metadata.state_dict_metadata, side_b.metadata.state_dict_metadata
+    result.removed = sorted(set(sdm_a) - set(sdm_b))
+    result.added = sorted(set(sdm_b) - set(sdm_a))
+    shards_a: dict[str, dict[Any, MetadataIndex]] = {}
+    shards_b: dict[str, dict[Any, MetadataIndex]] = {}
+    for side, shards in ((side_a, shards_a), (side_b, shards_b)):
+        for index in side.metadata.storage_data:
+            shards.setdefault(index.fqn, {})[None if index.offset is None else tuple(index.offset)] = index
+    records_a, records_b = side_a.metadata.storage_data, side_b.metadata.storage_data
+    for fqn in sorted(set(sdm_a) & set(sdm_b)):
+        kind_a, kind_b = _entry_type(sdm_a[fqn]), _entry_type(sdm_b[fqn])
+        here_a, here_b = shards_a.get(fqn, {}), shards_b.get(fqn, {})
+        if kind_a != kind_b:
+            result.changed.append(fqn)
+            result.reasons[fqn] = f"{kind_a} -> {kind_b}"
+            continue
+        if here_a.keys() != here_b.keys():
+            result.unknown.append(fqn)
+            result.reasons[fqn] = (
+                f"stored in other shards ({len(here_a)} -> {len(here_b)}): digests compare shards; load both to compare"
+            )
+            continue
+        differ, why_unknown = 0, ""
+        for key, ix_a in here_a.items():
+            ix_b = here_b[key]
+            da, db = side_a.digests.get(ix_a), side_b.digests.get(ix_b)
+            if da is None or db is None:
+                why_unknown = side_a.why_none.get(ix_a) or side_b.why_none.get(ix_b) or "no digest"
+                continue
+            desc_a = getattr(records_a[ix_a], "transform_descriptors", None)
+            desc_b = getattr(records_b[ix_b], "transform_descriptors", None)
+            if da != db and tuple(desc_a or ()) != tuple(desc_b or ()):
+                why_unknown = (
+                    f"stored with another codec ({', '.join(desc_a or ())} -> {', '.join(desc_b or ())}): "
+                    "digests compare stored records"
+                )
+                continue
+            differ += da != db
+        if differ:
+            result.changed.append(fqn)
+            result.reasons[fqn] = "data" if len(here_a) == 1 else f"data ({differ} of {len(here_a)} shards)"
+        elif why_unknown:
+            result.unknown.append(fqn)
+            result.reasons[fqn] = why_unknown
+        else:
+            result.unchanged.append(fqn)
+    return result

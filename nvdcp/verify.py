@@ -1,4 +1,5 @@
-"""Whole-checkpoint verification: every item's header, every chunk's CRC32C, and a full decode."""
+"""Whole-checkpoint verification: every item's header, every chunk's CRC32C, a full decode, and
+each item's header against the digest the save recorded in ``.metadata`` (docs/FORMAT.md)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from nvdcp.dcp.reader import NvcompReader, describe_index
 from nvdcp.errors import CodecUnavailableError, NvdcpError
+from nvdcp.format.digest import digest_of_header, read_digests
 from nvdcp.format.header import FILE_FIXED_SIZE, file_header_size, parse_file_header
 from nvdcp.pipeline.cpu import verify_chunks
 from nvdcp.report import Report
@@ -38,6 +40,12 @@ class VerifyReport:
     damaged: list[Damage] = field(default_factory=list)
     #: Items whose codec cannot run here: their checksums were checked, not their decode.
     checksum_only: list[str] = field(default_factory=list)
+    #: The save's per-item digests: ``"checked"`` (every item's header compared with the digest
+    #: recorded at save time), ``"absent"`` (none recorded: an older checkpoint),
+    #: ``"unsupported"`` (a newer digest record) or ``"damaged"`` (the record itself is bad).
+    digests: str = "absent"
+    #: What :attr:`digests` means for this checkpoint, in words.
+    digest_note: str = ""
 
     @property
     def ok(self) -> bool:
@@ -57,7 +65,10 @@ def verify_checkpoint(
     Reads ``.metadata``, then every stored item: header fields and CRC, every chunk's CRC32C,
     and (``decode=True``) a full decode compared with ``.metadata``'s dtype and shape. Items whose
     codec needs a GPU this machine lacks are checked by checksum only and listed in
-    ``checksum_only``. ``progress(done, total)`` is called after each item.
+    ``checksum_only``. When the save recorded digests, each item's header must also match its
+    digest (else the item is damaged, kind ``"digest"``: its record was replaced after the save by
+    another, self-consistent one); ``digests`` says whether they were checked.
+    ``progress(done, total)`` is called after each item.
 
     Raises:
         IncompleteCheckpointError: no ``.metadata`` (nothing to verify).
@@ -67,6 +78,12 @@ def verify_checkpoint(
     metadata = reader.read_metadata()
     reader.set_up_storage_reader(metadata, True)
     report = VerifyReport(reader.storage.url)
+    recorded = read_digests(metadata)
+    expected = recorded.by_index or {}
+    report.digests = "checked" if recorded.recorded else recorded.status
+    report.digest_note = recorded.note
+    if recorded.status == "damaged":
+        report.damaged.append(Damage("(digest record)", ".metadata", recorded.note, "digest"))
     indexes: list[MetadataIndex] = sorted(
         metadata.storage_data, key=lambda ix: (metadata.storage_data[ix].relative_path, metadata.storage_data[ix].offset)
     )
@@ -76,17 +93,28 @@ def verify_checkpoint(
         info = metadata.storage_data[index]
         file = getattr(info, "relative_path", "?")
         try:
+            checksum_only = decode
+            header = None
             if decode:
                 try:
-                    reader.load_item(index, totals)
-                    return index, None, False
+                    header, _ = reader.load_item(index, totals)
+                    checksum_only = False
                 except CodecUnavailableError:
                     pass
-            name, offset, length = reader.record_of(index)
-            verify_chunks(memoryview(reader.storage.read_range(name, offset, length)), reader.where(index))
-            return index, None, decode
+            if header is None:
+                name, offset, length = reader.record_of(index)
+                header = verify_chunks(memoryview(reader.storage.read_range(name, offset, length)), reader.where(index))
         except NvdcpError as exc:
             return index, Damage(describe_index(index), file, str(exc), type(exc).__name__), False
+        want = expected.get(index)
+        if want is not None and (got := digest_of_header(header)) != want:
+            return index, Damage(
+                describe_index(index), file,
+                f"{reader.where(index)}: the item's header (digest {got:08x}) is not the one saved "
+                f"(digest {want:08x} in .metadata): the record was replaced after the save",
+                "digest",
+            ), False
+        return index, None, checksum_only
 
     with ThreadPoolExecutor(reader.thread_count) as pool:
         for done, (index, damage, checksum_only) in enumerate(pool.map(check, indexes), 1):

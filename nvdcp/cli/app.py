@@ -109,13 +109,30 @@ def cli(verbose: int) -> None:
 @json_option
 @click.option("--shards", is_flag=True, help="One row per stored shard (offsets, sizes, file) under each item.")
 @click.option("--threads", type=click.IntRange(1, 256), default=8, show_default=True, help="Data files read at once.")
+@click.option("--diff", "other", metavar="OTHER_PATH_OR_URL", default=None,
+              help="Instead: list the items that differ from PATH_OR_URL to OTHER (added, removed, changed), "
+              "compared by their digests without decoding anything.")
+@click.option("--diff-option", "other_opts", multiple=True, metavar="KEY=VALUE",
+              help="Storage option of OTHER (repeatable; default: those of -o).")
 @storage_option
-def inspect(path: str, as_json: bool, shards: bool, threads: int, options: tuple[str, ...]) -> None:
+def inspect(path: str, as_json: bool, shards: bool, threads: int, other: str | None, other_opts: tuple[str, ...],
+            options: tuple[str, ...]) -> None:
     """List every item: dtype, global shape, shards, codec, stored and original bytes, ratio;
     totals per dtype; the format, torch and nvCOMP versions recorded at save time.
 
+    With --diff OTHER: which items changed from PATH_OR_URL to OTHER, by the per-item digests the
+    saves recorded (or, for checkpoints saved without them, the CRC32C of each item header).
+
     Reads .metadata and the headers of the items only, never their data. Exits 1 when an item
     header is unreadable (run `nvdcp verify` for the full check)."""
+    if other is not None:
+        if shards:
+            raise click.BadParameter("--shards does not apply to --diff", param_hint="'--shards'")
+        _diff(path, other, as_json, threads, _storage_options(options),
+              _storage_options(other_opts) if other_opts else None)
+        return
+    if other_opts:
+        raise click.BadParameter("--diff-option applies with --diff only", param_hint="'--diff-option'")
     from nvdcp.inspection import inspect_checkpoint
 
     result = inspect_checkpoint(path, storage_options=_storage_options(options), threads=threads)
@@ -127,6 +144,44 @@ def inspect(path: str, as_json: bool, shards: bool, threads: int, options: tuple
         for line in result.errors:
             err.print(f"[red]damaged:[/] {escape(line)}", soft_wrap=True)
         raise Failure(f"{len(result.errors)} unreadable header(s); run `nvdcp verify {path}`", EXIT_DAMAGED)
+
+
+_DIFF_SOURCES = {"recorded": "digests recorded at save", "headers": "no digests recorded: item headers read"}
+
+
+def _diff(path: str, other: str, as_json: bool, threads: int, options: dict[str, Any],
+          other_options: dict[str, Any] | None) -> None:
+    from nvdcp.inspection import diff_checkpoints
+
+    result = diff_checkpoints(path, other, storage_options=options, b_storage_options=other_options, threads=threads)
+    if as_json:
+        _ui.print_json(result.as_dict())
+    else:
+        out.print(f"[bold]a[/] {escape(result.a)} ({_DIFF_SOURCES[result.sources['a']]})")
+        out.print(f"[bold]b[/] {escape(result.b)} ({_DIFF_SOURCES[result.sources['b']]})")
+        counts = [(len(result.changed), "changed"), (len(result.added), "added"), (len(result.removed), "removed"),
+                  (len(result.unknown), "not comparable"), (len(result.unchanged), "unchanged")]
+        out.print("  " + ", ".join(f"{n} {what}" for n, what in counts), markup=False)
+        rows = ([("changed", f, result.reasons.get(f, "")) for f in result.changed]
+                + [("added", f, "only in b") for f in result.added]
+                + [("removed", f, "only in a") for f in result.removed]
+                + [("?", f, result.reasons.get(f, "")) for f in result.unknown])
+        if rows:
+            table = Table(show_edge=False, pad_edge=False)
+            table.add_column("change")
+            table.add_column("FQN", overflow="fold")
+            table.add_column("detail", overflow="fold")
+            style = {"changed": "yellow", "added": "green", "removed": "red", "?": "dim"}
+            for change, fqn, detail in rows:
+                table.add_row(change, escape(fqn), escape(detail), style=style[change])
+            out.print()
+            _print_wide(table)
+        else:
+            out.print("[bold green]identical[/]: every item has the same digest")
+    if result.errors:
+        for line in result.errors:
+            err.print(f"[red]damaged:[/] {escape(line)}", soft_wrap=True)
+        raise Failure(f"{len(result.errors)} unreadable header(s); run `nvdcp verify`", EXIT_DAMAGED)
 
 
 def _print_wide(table: Table) -> None:
@@ -181,6 +236,8 @@ def _render_inspection(result: Any, shards: bool) -> None:
         f"  contents     {total.items} items in {total.shards} stored chunks, {_plural(len(result.files), 'data file')}, "
         f".metadata {human(result.metadata_bytes)}"
     )
+    if result.format != "stock":
+        lines.append(f"  digests      {result.digests}: {result.digest_note}")
     for line in lines:
         out.print(line, markup=False)
 
@@ -238,8 +295,10 @@ def _render_inspection(result: Any, shards: bool) -> None:
 @storage_option
 def verify(path: str, as_json: bool, checksums_only: bool, threads: int | None, progress: bool | None,
            options: tuple[str, ...]) -> None:
-    """Check every item: header, every chunk's CRC32C and (unless --checksums-only) a full decode
-    compared with .metadata. Exits 0 when intact, 1 with the list of damaged items otherwise."""
+    """Check every item: header, every chunk's CRC32C, (unless --checksums-only) a full decode
+    compared with .metadata, and its header against the digest the save recorded (checkpoints
+    saved before nvdcp recorded digests skip that, with a note). Exits 0 when intact, 1 with the
+    list of damaged items otherwise."""
     from nvdcp.dcp.any_metadata import load_any_metadata
     from nvdcp.storage import open_storage
     from nvdcp.verify import verify_checkpoint
@@ -266,9 +325,12 @@ def verify(path: str, as_json: bool, checksums_only: bool, threads: int | None, 
             "url": report.url, "ok": report.ok, "items": report.items, "stored_bytes": report.stored_bytes,
             "raw_bytes": report.raw_bytes, "decoded": not checksums_only, "seconds": round(seconds, 4),
             "damaged": [vars(d) for d in report.damaged], "checksum_only": report.checksum_only,
+            "digests": report.digests, "digest_note": report.digest_note,
         })
     else:
         what = "headers and chunk checksums" if checksums_only else "headers, chunk checksums and a full decode"
+        if report.digests == "checked":
+            what += ", save digests"
         if report.ok:
             out.print(
                 f"[bold green]OK[/] {escape(report.url)}: {report.items} items intact "
@@ -283,6 +345,8 @@ def verify(path: str, as_json: bool, checksums_only: bool, threads: int | None, 
                 f"note: {len(report.checksum_only)} items use a codec without a decoder here "
                 "(GPU-only); their checksums were checked, not their decode"
             )
+        if report.digests in ("absent", "unsupported"):
+            err.print(f"note: {report.digest_note}", markup=False)
     if not report.ok:
         raise click.exceptions.Exit(EXIT_DAMAGED)
 

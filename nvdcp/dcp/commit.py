@@ -10,20 +10,40 @@ commit them here, so the protocol exists once:
    there and whole, then writes ``.metadata`` atomically (temp and rename; one PUT on S3);
 4. :meth:`CheckpointCommit.cleanup` deletes data files of earlier saves that no live save needs;
    :meth:`CheckpointCommit.abort` deletes what a failed producer wrote and drops its marker.
+
+Save digests (docs/FORMAT.md, docs/RELIABILITY.md): ``NvcompWriter.write_data`` returns an
+:class:`ItemRecord` per item (torch's ``_StorageInfo`` and the item's digest);
+:func:`split_results` separates them again on the coordinator, :meth:`CheckpointCommit.commit`
+records the packed digests in ``.metadata``, and :func:`check_identical_save` compares them with
+the last save this process committed (:data:`HISTORY`) to catch stale weights saved again.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import pickle
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from itertools import chain
+from operator import attrgetter
 from typing import Any
 
+import numpy as np
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 
 from nvdcp.dcp.metadata_io import METADATA_NAME
-from nvdcp.dcp.save_guard import SaveGuard
+from nvdcp.dcp.save_guard import DATA_FILE, SaveGuard
+from nvdcp.errors import StaleSaveError
+from nvdcp.format.digest import DIGEST_ATTR, digest_record, pack_digests
 from nvdcp.format.file_info import file_info
 from nvdcp.format.header import pack_file_header
 from nvdcp.storage import Storage
+
+logger = logging.getLogger(__name__)
 
 
 def data_file_header(rank: int, save_id: str, **extra: Any) -> bytes:
@@ -45,12 +65,15 @@ class CheckpointCommit:
 
     def commit(
         self, metadata: Metadata, storage_data: dict[MetadataIndex, Any], checkpoint_id: str, save_id: str,
-        *, stock_pickle: bool = False,
+        *, stock_pickle: bool = False, digests: bytes | None = None,
     ) -> bytes:
         """Record ``storage_data`` in ``metadata``, check the data files, write ``.metadata``.
 
         ``stock_pickle`` pickles as torch's ``FileSystemWriter.finish`` does (default protocol),
-        for checkpoints meant for stock readers. Returns the committed bytes.
+        for checkpoints meant for stock readers. ``digests``: the items' digests packed in
+        ``storage_data``'s order (:func:`split_results`), recorded as ``metadata.nvdcp_digests``;
+        without them any digest record ``metadata`` carries (a copy of another checkpoint's)
+        is dropped, since it would not describe these records. Returns the committed bytes.
 
         Raises:
             MissingDataFileError, TruncatedCheckpointError: a data file is missing or short;
@@ -58,6 +81,10 @@ class CheckpointCommit:
         """
         metadata.storage_data = storage_data
         metadata.storage_meta = StorageMeta(checkpoint_id=checkpoint_id, save_id=save_id)
+        if digests is not None and len(digests) == 4 * len(storage_data):
+            setattr(metadata, DIGEST_ATTR, digest_record(digests))
+        else:
+            vars(metadata).pop(DIGEST_ATTR, None)
         blob = pickle.dumps(metadata) if stock_pickle else pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
         self.guard.check_data_files(storage_data)
         self.storage.write_atomic(METADATA_NAME, blob)
@@ -78,5 +105,159 @@ class CheckpointCommit:
         self.storage.delete(created)
         self.guard.unmark()
 
+    def refuse(self, storage_data: dict[MetadataIndex, Any]) -> None:
+        """Give up a save whose data files are all written but which must not be committed:
+        delete its files (those ``storage_data`` names and any other of its token, e.g. a rank's
+        file without items) and drop its marker. The checkpoint committed before stays as it is."""
+        names = {info.relative_path for info in storage_data.values()}
+        token = self.guard.token
+        if token is not None:
+            names.update(n for n in self.storage.list() if (m := DATA_FILE.match(n)) and m.group(1) == token)
+        self.abort(sorted(names))
 
-__all__ = ["CheckpointCommit", "data_file_header"]
+
+# -- item records with digests -----------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, slots=True)
+class ItemRecord:
+    """What ``NvcompWriter.write_data`` returns as a ``WriteResult``'s ``storage_data``: torch's
+    ``_StorageInfo`` (what ``.metadata`` records) and the item's digest (its header's CRC32C,
+    :mod:`nvdcp.format.digest`). DCP gathers it to the coordinator without looking inside;
+    ``finish`` splits it again (:func:`split_results`), so ``.metadata`` holds torch's records only."""
+
+    info: _StorageInfo
+    digest: int
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ItemRecord, (self.info, self.digest))  # compact: no per-item field names when gathered
+
+
+def split_results(results: Iterable[Iterable[Any]]) -> tuple[dict[MetadataIndex, Any], bytes | None]:
+    """``storage_data`` for ``.metadata`` from every rank's ``WriteResult`` lists, and the items'
+    digests packed in its order (None when some result carries no digest: an older writer, or
+    digests switched off). C-speed passes: the coordinator does this once per item."""
+    flat = list(chain.from_iterable(results))
+    indexes = list(map(attrgetter("index"), flat))
+    datas = list(map(attrgetter("storage_data"), flat))
+    kinds = set(map(type, datas))
+    if ItemRecord not in kinds:
+        return dict(zip(indexes, datas)), None
+    if kinds != {ItemRecord}:
+        return {ix: d.info if type(d) is ItemRecord else d for ix, d in zip(indexes, datas)}, None
+    storage_md = dict(zip(indexes, map(attrgetter("info"), datas)))
+    digests: Iterable[int] = map(attrgetter("digest"), datas)
+    if len(storage_md) != len(flat):  # a repeated index: keep the digest of the record kept
+        digests = dict(zip(indexes, digests)).values()
+    return storage_md, pack_digests(digests)
+
+
+# -- identical saves ---------------------------------------------------------------------------
+ON_IDENTICAL_SAVE = ("warn", "error", "ignore")
+
+
+def identical_save_policy(value: str | None, *, allow_none: bool = False) -> str | None:
+    """Validate an ``on_identical_save`` setting."""
+    if value is None and allow_none:
+        return None
+    if value not in ON_IDENTICAL_SAVE:
+        raise ValueError(f"on_identical_save must be one of {ON_IDENTICAL_SAVE}, got {value!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedDigests:
+    """A save this process committed: where, which, when, and its items' digests (packed)."""
+
+    location: str
+    save_id: str
+    when: float
+    digests: bytes
+
+
+def same_items(a: bytes, b: bytes) -> bool:
+    """Whether two saves' digests are the same items: equal in order, or (a save staged another
+    way orders its items differently) the same multiset. Unequal sums answer most saves in one
+    pass; only equal sums pay for a sort."""
+    if len(a) != len(b):
+        return False
+    if a == b:
+        return True
+    x, y = np.frombuffer(a, dtype="<u4"), np.frombuffer(b, dtype="<u4")
+    if int(x.sum(dtype=np.uint64)) != int(y.sum(dtype=np.uint64)):
+        return False
+    return bool(np.array_equal(np.sort(x), np.sort(y)))
+
+
+class SaveHistory:
+    """The digests of the last save this process committed, per number of items.
+
+    Why here, in the process, and not on a writer or a stager: successive saves of one job meet
+    in the coordinator's process whatever objects they go through: a fresh ``NvcompWriter`` per
+    save (``dcp.save(..., checkpoint_id=f"step{n}")``, torchtitan), ``dcp.async_save`` with an
+    ``async_stager`` the writer never sees, or its PROCESS mode, where writer and staged data are
+    pickled into the checkpoint process for every save (only that process lives on). Keyed by
+    item count, so a job saving two different state dicts (a full checkpoint and weights only)
+    compares each with its own previous save; at most ``keep`` counts are remembered (4 bytes
+    per item each).
+    """
+
+    def __init__(self, keep: int = 8) -> None:
+        self.keep = keep
+        self._lock = threading.Lock()
+        self._by_count: OrderedDict[int, SavedDigests] = OrderedDict()
+
+    def previous(self, count: int) -> SavedDigests | None:
+        with self._lock:
+            return self._by_count.get(count)
+
+    def remember(self, location: str, save_id: str, digests: bytes) -> None:
+        count = len(digests) // 4
+        with self._lock:
+            self._by_count.pop(count, None)
+            self._by_count[count] = SavedDigests(location, save_id, time.time(), digests)
+            while len(self._by_count) > self.keep:
+                self._by_count.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._by_count.clear()
+
+
+#: This process's record of its committed saves (see :class:`SaveHistory`).
+HISTORY = SaveHistory()
+
+
+def forget_previous_saves() -> None:
+    """Forget the saves this process committed: the next save is compared with nothing."""
+    HISTORY.clear()
+
+
+def check_identical_save(location: str, digests: bytes, policy: str) -> SavedDigests | None:
+    """Compare a save about to be committed at ``location`` with the last one this process
+    committed with as many items; returns that save when every item is byte-identical to it.
+
+    ``policy`` ``"warn"`` logs a warning, ``"error"`` raises :class:`~nvdcp.StaleSaveError`,
+    ``"ignore"`` compares nothing. A save without items is never stale.
+    """
+    count = len(digests) // 4
+    if policy == "ignore" or count == 0:
+        return None
+    previous = HISTORY.previous(count)
+    if previous is None or not same_items(digests, previous.digests):
+        return None
+    where = "the same location" if previous.location == location else previous.location
+    message = (
+        f"save to {location}: all {count} items are byte-identical to the previous save of this process "
+        f"({where}, {time.time() - previous.when:.0f}s ago): the model was saved again without changing "
+        "(a failed optimizer step, weights not updated, a stale staged copy?)"
+    )
+    if policy == "error":
+        raise StaleSaveError(f"{message}; on_identical_save='error': .metadata not written")
+    logger.warning("nvdcp: %s; set on_identical_save='ignore' if this is expected", message)
+    return previous
+
+
+__all__ = [
+    "HISTORY", "ON_IDENTICAL_SAVE", "CheckpointCommit", "ItemRecord", "SaveHistory", "SavedDigests",
+    "check_identical_save", "data_file_header", "forget_previous_saves", "identical_save_policy", "same_items",
+    "split_results",
+]

@@ -82,6 +82,8 @@ READ_WINDOW_PER_THREAD = 2
 #: Consecutive stock items loaded by one I/O task, at most this many stored bytes or items.
 STOCK_BATCH_BYTES = 4 << 20
 STOCK_BATCH_ITEMS = 64
+#: Runs of local stock items smaller than this on average load on the calling thread.
+STOCK_INLINE_MEAN_BYTES = 256 << 10
 
 
 def narrow(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
@@ -510,23 +512,25 @@ class NvcompReader(StorageReader):
                 if run_bytes < STOCK_BATCH_BYTES and len(run) < STOCK_BATCH_ITEMS:
                     continue
             if run:
-                tasks.append(_StockRun(run))
+                tasks.append(_StockRun(run, self._inline(run, run_bytes)))
                 run, run_bytes = [], 0
             if index not in stock and devices[index] is None:
                 tasks.append(functools.partial(self._load_cpu_task, index, report))
         if run:
-            tasks.append(_StockRun(run))
+            tasks.append(_StockRun(run, self._inline(run, run_bytes)))
         for device, batch in self._gpu_batches([ix for ix in order if devices[ix] is not None], devices):
             tasks.append(functools.partial(self._load_gpu_batch, batch, device, report))
         window = READ_WINDOW_PER_THREAD * self.thread_count
         with ThreadPoolExecutor(self.thread_count, thread_name_prefix="nvdcp-read") as io_pool:
-            pending: list[PyFuture[Sequence[tuple[MetadataIndex, ItemHeader | None, Any]]]] = []
+            pending: list[PyFuture[Sequence[tuple[MetadataIndex, ItemHeader | None, Any]]] | _Deferred] = []
             try:
                 for task in tasks:
                     if isinstance(task, _StockRun):
                         targets = [destination(index) for index in task.indexes]
-                        task = functools.partial(self._load_stock_run, task.indexes, targets, report)
-                    pending.append(io_pool.submit(task))
+                        fn = functools.partial(self._load_stock_run, task.indexes, targets, report)
+                        pending.append(_Deferred(fn) if task.inline else io_pool.submit(fn))
+                    else:
+                        pending.append(io_pool.submit(task))
                     if len(pending) >= window:
                         yield from pending.pop(0).result()
                 while pending:
@@ -538,6 +542,11 @@ class NvcompReader(StorageReader):
     def _load_cpu_task(self, index: MetadataIndex, report: Report) -> list[tuple[MetadataIndex, ItemHeader | None, Any]]:
         header, raw = self.load_item(index, report)
         return [(index, header, raw)]
+
+    def _inline(self, run: list[MetadataIndex], run_bytes: int) -> bool:
+        """Whether to load a run of stock items on the calling thread: small items of a local
+        file cost mostly Python (torch.load's unpickling), which threads only contend for."""
+        return isinstance(self.storage, LocalStorage) and run_bytes < len(run) * STOCK_INLINE_MEAN_BYTES
 
     def _load_stock_run(
         self, indexes: list[MetadataIndex], targets: list[torch.Tensor | None], report: Report
@@ -592,9 +601,23 @@ class NvcompReader(StorageReader):
 
 @dataclasses.dataclass
 class _StockRun:
-    """Consecutive stock items, loaded by one I/O task."""
+    """Consecutive stock items, loaded by one I/O task (``inline``: on the calling thread)."""
 
     indexes: list[MetadataIndex]
+    inline: bool = False
+
+
+class _Deferred:
+    """A task run on the calling thread when its result is asked for (in queue order)."""
+
+    def __init__(self, fn: Callable[[], Sequence[tuple[MetadataIndex, ItemHeader | None, Any]]]) -> None:
+        self._fn = fn
+
+    def result(self) -> Sequence[tuple[MetadataIndex, ItemHeader | None, Any]]:
+        return self._fn()
+
+    def cancel(self) -> bool:
+        return True
 
 
 @dataclasses.dataclass

@@ -65,10 +65,25 @@ class SaveGuard:
             self.token = None
 
     def check_data_files(self, records: dict[Any, Any]) -> None:
-        """Before committing: every data file the new ``.metadata`` names is there and whole."""
+        """Before committing: every data file the new ``.metadata`` names is there and whole.
+
+        With more than one file, one listing (:meth:`~nvdcp.storage.Storage.list_sizes`) answers
+        for all of them: 16,384 ranks' files are one directory scan, or 17 ListObjectsV2 pages,
+        instead of 16,384 size requests (docs/SCALE.md). A file the listing lacks or sizes
+        differently is asked again on its own before the save fails, so a listing that lags a
+        write costs a request, never a save.
+        """
         ends: dict[str, int] = {}
+        get = ends.get
         for info in records.values():
-            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+            name, end = info.relative_path, info.offset + info.length
+            prior = get(name)
+            if prior is None or end > prior:
+                ends[name] = max(end, 0)
+        unconfirmed = list(ends.items())
+        listed = self._list_sizes() if len(unconfirmed) > 1 else None
+        if listed is not None:
+            unconfirmed = [(name, end) for name, end in unconfirmed if listed.get(name) != end]
 
         def check(item: tuple[str, int]) -> None:
             name, end = item
@@ -86,8 +101,19 @@ class SaveGuard:
                     "another writer changed it. .metadata not written"
                 )
 
-        with ThreadPoolExecutor(min(16, max(1, len(ends))), thread_name_prefix="nvdcp-check") as pool:
-            list(pool.map(check, ends.items()))
+        if len(unconfirmed) == 1:
+            check(unconfirmed[0])
+        elif unconfirmed:
+            with ThreadPoolExecutor(min(16, len(unconfirmed)), thread_name_prefix="nvdcp-check") as pool:
+                list(pool.map(check, unconfirmed))
+
+    def _list_sizes(self) -> dict[str, int] | None:
+        """The storage's one-pass listing with sizes, or None (then every file is asked alone)."""
+        try:
+            return self.storage.list_sizes()
+        except Exception as exc:  # noqa: BLE001 - a listing is an optimization; size() decides
+            logger.debug("listing %s failed (%s); checking data files one by one", self.storage.url, exc)
+            return None
 
     def cleanup(self, keep: set[str], committed: bytes | None = None) -> bool:
         """After the new ``.metadata`` (``committed``) is committed, remove data files of earlier saves.

@@ -284,6 +284,7 @@ class _Lease:
     """The host buffers of one staged state dict; released once, explicitly or when collected."""
 
     def __init__(self, stager: NvcompStager, generation: int) -> None:
+        self.stager = stager  # the writer reads its on_identical_save
         self._finalizer = weakref.finalize(self, stager._release, generation)
 
     def release(self) -> None:
@@ -346,6 +347,12 @@ class NvcompStager:
             ``dcp.async_save`` then returns an ``AsyncSaveResponse`` (``staging_completion``,
             ``upload_completion``) instead of a plain future, which callers written for
             ``DefaultStager``'s async staging expect (torchtitan's ``async_with_pinned_mem``).
+        on_identical_save: what a save staged through this stager does when every item is
+            byte-identical to the previous save of the process: ``"warn"``, ``"error"``
+            (:class:`~nvdcp.StaleSaveError`, nothing committed) or ``"ignore"``; None (default)
+            leaves it to the writer's ``on_identical_save``. Applies where the save's
+            ``finish`` runs in this process (sync and THREAD ``async_save``); in PROCESS mode set
+            it on the writer, which travels to the checkpoint process (docs/RELIABILITY.md).
     """
 
     _synchronize_after_execute: bool = False
@@ -361,7 +368,10 @@ class NvcompStager:
         codec_threads: int | None = None,
         wait_timeout_s: float = 300.0,
         return_future: bool = False,
+        on_identical_save: str | None = None,
     ) -> None:
+        from nvdcp.dcp.commit import identical_save_policy
+
         if cpu_mode not in CPU_MODES:
             raise ValueError(f"cpu_mode must be one of {CPU_MODES}, got {cpu_mode!r}")
         if buffer_bytes < 0:
@@ -372,6 +382,7 @@ class NvcompStager:
         self.buffer_bytes = buffer_bytes
         self.wait_timeout_s = wait_timeout_s
         self.return_future = return_future
+        self.on_identical_save = identical_save_policy(on_identical_save, allow_none=True)
         self.last_stats: StageStats | None = None
         self._init_runtime()
 
@@ -399,7 +410,7 @@ class NvcompStager:
         return self.encoding.chunk_bytes
 
     def __getstate__(self) -> dict[str, Any]:
-        keep = ("encoding", "gpu", "cpu_mode", "buffer_bytes", "wait_timeout_s", "return_future")
+        keep = ("encoding", "gpu", "cpu_mode", "buffer_bytes", "wait_timeout_s", "return_future", "on_identical_save")
         return {k: self.__dict__[k] for k in keep} | {"last_stats": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:

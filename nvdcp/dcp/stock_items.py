@@ -12,9 +12,17 @@ with ``torch.load(weights_only=True)`` (no code runs) as a tensor, and its dtype
 ones ``.metadata`` records; any failure is a :class:`~nvdcp.errors.CorruptCheckpointError` naming
 the file, the offset and the item.
 
-Local files are read the way torch's ``FileSystemReader`` reads them: ``torch.load`` pulls the
-tensor's bytes straight from the file (``preadv`` into the new tensor's memory), so no
-intermediate copy of the record is made; other storages fetch the record with one ranged read.
+How bytes move (benchmarks/stock_read_bench.py compares this with ``FileSystemReader``):
+
+- a large item whose destination is known (the whole chunk, contiguous, same dtype: a load
+  without resharding) goes straight into the destination tensor: ``torch.load`` with
+  ``map_location="meta"`` checks the blob and says where the tensor's bytes start, and they are
+  read there (``preadv`` from a local file, one copy from a fetched or decompressed record). No
+  intermediate tensor, no second copy; stock reads into a new tensor and copies it;
+- otherwise ``torch.load`` reads the tensor from the file (``preadv`` into the new tensor's
+  memory, zip headers from two cached blocks), or from the fetched record without copying it;
+- small local records (the common case of many small items) are read whole in one system call
+  into a ``BytesIO``, with their data files kept open across consecutive items (:class:`OpenFiles`).
 """
 
 from __future__ import annotations

@@ -30,11 +30,20 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from nvdcp.dcp import descriptor
-from nvdcp.dcp.commit import CheckpointCommit, data_file_header
+from nvdcp.dcp.commit import (
+    HISTORY,
+    CheckpointCommit,
+    ItemRecord,
+    check_identical_save,
+    data_file_header,
+    identical_save_policy,
+    split_results,
+)
 from nvdcp.dcp.metadata_io import METADATA_NAME
 from nvdcp.dcp.stager import NvcompStager, StagedShard, WriterStagingMixin, release_staged
 from nvdcp.dcp.stock_items import merge_fsspec_kwargs, warn_once
-from nvdcp.errors import CheckpointExistsError
+from nvdcp.errors import CheckpointExistsError, StaleSaveError
+from nvdcp.format.digest import digest_of_record_header
 from nvdcp.format.header import DEFAULT_CHUNK_BYTES
 from nvdcp.gpu.config import GpuConfig
 from nvdcp.pipeline.config import EncodeConfig
@@ -120,6 +129,12 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
             and close it); default: the process-wide encoder for these settings, so writers made
             per save reuse GPU encoders and pinned buffers. :func:`nvdcp.release_resources`
             frees the process-wide ones.
+        on_identical_save: when every item of a save is byte-identical to the previous save this
+            process committed (stale weights saved again; compared by the items' digests,
+            docs/RELIABILITY.md): ``"warn"`` (default) logs a warning, ``"error"`` raises
+            :class:`~nvdcp.StaleSaveError` before ``.metadata`` is written (the save's data files
+            are deleted, the checkpoint there before is intact), ``"ignore"`` does neither. A
+            :class:`~nvdcp.NvcompStager` the save was staged through may set it instead.
         **fsspec_options: ``FsspecWriter``'s ``**kwargs``: fsspec options for a URL (merged into
             ``storage_options``; an ``s3://`` URL then goes through s3fs unless ``backend`` is
             given); ignored, with a warning, for a local path.
@@ -130,7 +145,8 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
 
     Raises:
         UnknownCodecError: ``codec`` names no codec (a ``ValueError``).
-        ValueError: ``thread_count``, ``chunk_bytes`` or ``codec_threads`` out of range.
+        ValueError: ``thread_count``, ``chunk_bytes`` or ``codec_threads`` out of range, or an
+            unknown ``on_identical_save``.
         TypeError: a string where ``single_file_per_rank`` goes (pass ``codec=`` by keyword).
         NotACheckpointDirectoryError: ``path`` is an existing file.
     """
@@ -154,6 +170,7 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
         gpu: GpuConfig | None = None,
         stager: NvcompStager | None = None,
         encoder: ItemEncoder | None = None,
+        on_identical_save: str = "warn",
         **fsspec_options: Any,
     ) -> None:
         super().__init__()
@@ -191,6 +208,8 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
         self._caller_event: Any = None
         self._commit: CheckpointCommit | None = None
         self._staged: list[StagedShard] = []
+        self.on_identical_save = identical_save_policy(on_identical_save)
+        self._stager_policy: str | None = None  # the on_identical_save of the stager this save went through
 
     @property
     def codec(self) -> str:
@@ -259,6 +278,7 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
             self._caller_event = torch.cuda.Event()
             self._caller_event.record(torch.cuda.current_stream())
         self._staged = []
+        self._stager_policy = None
         try:
             if len(buckets) == 1:
                 results = self._write_file(names[0], buckets[0], planner, report)
@@ -269,6 +289,7 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
                     ]
                     results = [r for f in futures for r in f.result()]
         finally:
+            self._stager_policy = _stager_policy(self._staged)
             # Staged bytes are never read after this: their host buffers go back to the stager.
             release_staged(self._staged)
             self._staged = []
@@ -279,12 +300,25 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
         fut.set_result(results)
         return fut
 
+    #: Record the items' digests (docs/FORMAT.md); off only to measure what they cost
+    #: (benchmarks/digest_cost.py): write_data then returns torch's records alone.
+    _record_digests: bool = True
+
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        storage_md = {wr.index: wr.storage_data for rank_results in results for wr in rank_results}
+        storage_md, digests = split_results(results)
         commit = self._commit or CheckpointCommit(self.storage)  # no marker without a global plan step
-        commit.commit(metadata, storage_md, self.path, self.save_id)
+        if digests is not None:
+            try:
+                check_identical_save(self.storage.url, digests, self._identical_save_policy())
+            except StaleSaveError:
+                commit.refuse(storage_md)  # this save's files go; the checkpoint there stays
+                self._commit = None
+                raise
+        commit.commit(metadata, storage_md, self.path, self.save_id, digests=digests)
         commit.cleanup({info.relative_path for info in storage_md.values()})
         self._commit = None
+        if digests is not None:
+            HISTORY.remember(self.storage.url, self.save_id, digests)
         total = Report.from_metadata("save", self.storage.url, metadata)
         if self.last_report is not None:
             # whole-checkpoint bytes, this rank's phase times (the coordinator's view)
@@ -294,6 +328,13 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
                 total.raw_bytes = self.last_report.raw_bytes
         self.last_report = total
         logger.info("nvdcp save %s", total.summary())
+
+    def _identical_save_policy(self) -> str:
+        """``on_identical_save`` of this save: its stager's when that sets one, else this writer's."""
+        stager_policy: str | None = getattr(self, "_stager_policy", None) or getattr(
+            self.stager, "on_identical_save", None
+        )
+        return stager_policy or str(getattr(self, "on_identical_save", "warn"))
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
@@ -325,11 +366,14 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
             t2 = time.perf_counter()
             report.add(encoded.header.raw_nbytes, encoded.nbytes, encode_s=t1 - clock, io_s=t2 - t1)
             clock = t2
+            info = descriptor.storage_info(name, offset, encoded.nbytes, descriptor_codec(encoded))
             results.append(
                 WriteResult(
                     index=item.index,
                     size_in_bytes=encoded.nbytes,
-                    storage_data=descriptor.storage_info(name, offset, encoded.nbytes, descriptor_codec(encoded)),
+                    # the digest is the header's own CRC32C: no pass over the data (docs/FORMAT.md)
+                    storage_data=ItemRecord(info, digest_of_record_header(encoded.header_bytes))
+                    if self._record_digests else info,
                 )
             )
 
@@ -367,6 +411,17 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
 
 def _describe_item(item: WriteItem) -> str:
     return f"item {item.index.fqn}"
+
+
+def _stager_policy(shards: list[StagedShard]) -> str | None:
+    """The ``on_identical_save`` set on the stager these shards were staged by (None: unset, or
+    not staged here, e.g. unpickled in async_save's checkpoint process)."""
+    for shard in shards:
+        stager = getattr(shard.lease, "stager", None)
+        if stager is not None:
+            policy: str | None = getattr(stager, "on_identical_save", None)
+            return policy
+    return None
 
 
 def _warn_stock_arguments(

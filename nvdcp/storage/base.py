@@ -111,6 +111,18 @@ class Storage(ABC):
     def delete(self, names: Iterable[str]) -> None:
         """Delete objects; names that are already gone are ignored."""
 
+    def list_sizes(self) -> dict[str, int] | None:
+        """Sizes in bytes of the objects directly under the root, by name, from one listing (a
+        directory scan, ListObjectsV2 pages); ``None`` where the backend has no such listing.
+
+        For checks over many objects (the commit check of a save's data files): one listing
+        instead of a :meth:`size` request per object. A listing is not the last word: a name it
+        lacks or a size it disagrees on should be asked again with :meth:`size` (some stores list
+        a just-written object late). Objects the root may not hold (symlinks leading out of a
+        directory) are left out.
+        """
+        return None
+
     def list_children(self) -> builtins.list[str]:
         """Names of the sub-locations directly under the root (checkpoints of a run)."""
         raise NotImplementedError(f"{type(self).__name__} cannot list sub-locations")

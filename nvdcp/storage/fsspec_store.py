@@ -300,15 +300,23 @@ class FsspecStorage(Storage):
         """Sub-directories (prefixes) directly under the root, one checkpoint each."""
         return self._entries("directory")
 
+    def list_sizes(self) -> dict[str, int]:
+        """Files directly under the root and their sizes, from one ``ls`` (detail=True)."""
+        return {
+            _basename(e): int(e["size"]) for e in self._ls() if e.get("type") == "file" and e.get("size") is not None
+        }
+
     def _entries(self, kind: str) -> builtins.list[str]:
+        return sorted(_basename(e) for e in self._ls() if e.get("type") == kind)
+
+    def _ls(self) -> builtins.list[dict[str, Any]]:
         try:
             with _translated(self.url, "list", passthrough=FileNotFoundError):
                 # Another process may have written since this fs cached the listing.
                 self.fs.invalidate_cache(self.root)
-                entries = self.fs.ls(self.root, detail=True)
+                return builtins.list(self.fs.ls(self.root, detail=True))
         except FileNotFoundError:
             return []
-        return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == kind)
 
     def delete(self, names: Iterable[str]) -> None:
         names = list(names)
@@ -328,6 +336,10 @@ class FsspecStorage(Storage):
                 ):
                     self.fs.rm_file(path)
         self.fs.invalidate_cache(self.root)
+
+
+def _basename(entry: dict[str, Any]) -> str:
+    return str(entry["name"]).rstrip("/").rsplit("/", 1)[-1]
 
 
 __all__ = ["FsspecStorage", "translate_fsspec_error"]

@@ -229,6 +229,24 @@ class LocalStorage(Storage):
         except FileNotFoundError:
             return []
 
+    def list_sizes(self) -> dict[str, int]:
+        """Regular files directly in the directory and their sizes (one scan; symlinks are left
+        to :meth:`size`, which refuses those leading out of the root)."""
+        sizes: dict[str, int] = {}
+        try:
+            with os.scandir(self.root) as entries:
+                for entry in entries:
+                    try:
+                        if entry.is_file(follow_symlinks=False):
+                            sizes[entry.name] = entry.stat(follow_symlinks=False).st_size
+                    except FileNotFoundError:
+                        continue  # deleted while we listed
+        except FileNotFoundError:
+            return {}
+        except OSError as exc:
+            raise _storage_error(exc, f"cannot list {self.root}", self.root) from exc
+        return sizes
+
     def list_children(self) -> builtins.list[str]:
         try:
             return sorted(n for n in os.listdir(self.root) if os.path.isdir(os.path.join(self.root, n)))

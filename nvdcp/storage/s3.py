@@ -72,6 +72,8 @@ _POOL_PREFIX = "nvdcp-s3"
 #: A ranged read longer than this is checked against the object's size (one HEAD) before its
 #: buffer is allocated.
 _CHECK_SIZE_ABOVE = 64 << 20
+#: User metadata (``x-amz-meta-nvdcp-crc32c``) holding a PUT object's CRC32C, base64 as S3 writes it.
+_CRC_METADATA = "nvdcp-crc32c"
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 
 _CREDENTIAL_CODES = frozenset({
@@ -388,13 +390,15 @@ class S3Storage(Storage):
         return {"ChecksumCRC32C": _crc32c_b64(data)}
 
     def put(self, key: str, where: str, data: Buffer) -> None:
-        """One ``PutObject`` with a checksum S3 verifies."""
+        """One ``PutObject`` with a checksum S3 verifies, and the CRC32C as user metadata too
+        (:meth:`read` checks it where the server keeps no checksum of its own: moto, MD5 mode)."""
         if len(data) > S3_MAX_PART_SIZE:
             raise ValueError(f"{where}: {len(data)} bytes exceed S3's single PUT limit of 5 GiB")
         checksum = self._checksum_args(data)
+        meta = {_CRC_METADATA: checksum.get("ChecksumCRC32C") or _crc32c_b64(data)}
         self.call(
             "PutObject", where,
-            lambda: self.client.put_object(Bucket=self.bucket, Key=key, Body=data, **checksum),
+            lambda: self.client.put_object(Bucket=self.bucket, Key=key, Body=data, Metadata=meta, **checksum),
         )
 
     # -- Storage -------------------------------------------------------------------------------
@@ -512,9 +516,10 @@ class S3Storage(Storage):
             stored = resp.get("ChecksumCRC32C")
             # A composite (multipart) checksum ends in "-<parts>" and covers part checksums, not the bytes.
             full_object = stored and "-" not in stored and resp.get("ChecksumType", "FULL_OBJECT") == "FULL_OBJECT"
-            if full_object and _crc32c_b64(data) != stored:
+            expected = stored if full_object else (resp.get("Metadata") or {}).get(_CRC_METADATA)
+            if expected and _crc32c_b64(data) != expected:
                 # Damaged on the way (read again, digest_retries) or in storage (every read fails).
-                raise DamagedDownloadError(f"{where}: CRC32C of the downloaded bytes does not match S3's record")
+                raise DamagedDownloadError(f"{where}: CRC32C of the downloaded bytes does not match the one recorded at upload")
             return data
 
         return self.call("GetObject", where, get)
@@ -539,9 +544,25 @@ class S3Storage(Storage):
             keys: list[str] = []
             for page in paginator.paginate(Bucket=self.bucket, Prefix=lead, Delimiter="/"):
                 keys += [obj["Key"][len(lead) :] for obj in page.get("Contents", [])]
-            return keys
+            # Stores with real directories (SeaweedFS) list a directory that outlived its objects
+            # as a key equal to the prefix: it is no object of the checkpoint.
+            return [k for k in keys if k]
 
         return sorted(self.call("ListObjectsV2", self.url, pages))
+
+    def list_sizes(self) -> dict[str, int]:
+        """Objects directly under the prefix and their sizes: one ListObjectsV2 per 1,000."""
+        lead = f"{self.prefix}/" if self.prefix else ""
+
+        def pages() -> dict[str, int]:
+            paginator = self.client.get_paginator("list_objects_v2")
+            sizes: dict[str, int] = {}
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=lead, Delimiter="/"):
+                sizes.update((obj["Key"][len(lead) :], int(obj["Size"])) for obj in page.get("Contents", []))
+            sizes.pop("", None)  # a directory key equal to the prefix (SeaweedFS): no object
+            return sizes
+
+        return self.call("ListObjectsV2", self.url, pages)
 
     def list_children(self) -> builtins.list[str]:
         """Sub-prefixes directly under the root (one checkpoint each), without the trailing ``/``."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -127,6 +128,8 @@ class SeaweedFS:
         self, bucket: str = "nvdcp", *, access_key: str | None = None, secret_key: str | None = None,
         binary: str | None = None, start_timeout_s: float = 60.0, start: bool = True,
     ) -> None:
+        if not re.fullmatch(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]", bucket):
+            raise ValueError(f"invalid S3 bucket name {bucket!r}")
         self.bucket = bucket
         self.access_key = access_key or "AKIA" + secrets.token_hex(8).upper()
         self.secret_key = secret_key or secrets.token_urlsafe(24)
@@ -196,7 +199,7 @@ class SeaweedFS:
             self.client().create_bucket(Bucket=name)
 
     def empty_bucket(self, name: str | None = None) -> None:
-        """Delete every object and abort every multipart upload in ``name`` (default: :attr:`bucket`)."""
+        """Delete every object, directory and multipart upload in ``name`` (default: :attr:`bucket`)."""
         bucket, client = name or self.bucket, self.client()
         for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
             keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
@@ -205,6 +208,15 @@ class SeaweedFS:
         for page in client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket):
             for up in page.get("Uploads", []):
                 client.abort_multipart_upload(Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
+        self._remove_directories(bucket, "")
+
+    def _remove_directories(self, bucket: str, prefix: str) -> None:
+        # SeaweedFS keeps the directories of deleted objects; listings with a delimiter show them.
+        client = self.client()
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix, Delimiter="/"):
+            for sub in page.get("CommonPrefixes", []):
+                self._remove_directories(bucket, sub["Prefix"])
+                client.delete_object(Bucket=bucket, Key=sub["Prefix"])
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -212,16 +224,17 @@ class SeaweedFS:
         if self._proc is not None:
             raise RuntimeError(f"{self!r} is already running")
         self.root = Path(tempfile.mkdtemp(prefix="nvdcp-seaweedfs-"))
-        failure = ""
-        for _ in range(3):  # another process may take a chosen port before weed binds it
+        for attempt in range(3):
             try:
                 self._launch()
                 return
             except SeaweedStartError as exc:
-                failure = str(exc)
                 self._terminate()
-        self.stop()
-        raise SeaweedStartError(failure)
+                # Another process may have taken a chosen port before weed bound it: weed exits,
+                # and new ports are tried. A server that runs but never answers is not retried.
+                if attempt == 2 or not exc.args[0].startswith("weed exited"):
+                    self.stop()
+                    raise
 
     @staticmethod
     def _ports() -> dict[str, int]:

@@ -40,7 +40,11 @@ from torch.distributed.checkpoint._extension import ZStandard
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import SerializationFormat
-from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner, dcp_to_torch_save, torch_save_to_dcp
+from torch.distributed.checkpoint.format_utils import (
+    _EmptyStateDictLoadPlanner,
+    dcp_to_torch_save,
+    torch_save_to_dcp,
+)
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict, _load_state_dict_from_keys
 

@@ -347,24 +347,43 @@ def s3env(moto_s3: MotoS3) -> S3Env:
     return S3Env(moto_s3.endpoint, BUCKET, client)
 
 
+_SEAWEED: dict[str, Any] = {}  # one server for the whole session, however many conftests import the fixture
+_SEAWEED_LOCK = threading.Lock()
+
+
+def _seaweed_server() -> Any:
+    """The session's SeaweedFS server, started on first use; raises SeaweedUnavailable (remembered)."""
+    from nvdcp.testing.seaweedfs import SeaweedFS
+
+    with _SEAWEED_LOCK:
+        if "error" in _SEAWEED:
+            raise _SEAWEED["error"]
+        if "server" not in _SEAWEED:
+            try:
+                _SEAWEED["server"] = SeaweedFS(bucket=BUCKET, access_key=FAKE_KEY_ID, secret_key=FAKE_SECRET)
+            except Exception as exc:
+                _SEAWEED["error"] = exc
+                raise
+        return _SEAWEED["server"]
+
+
 @pytest.fixture(scope="session")
 def seaweedfs() -> Any:
     """The session's SeaweedFS server (``weed mini`` on free loopback ports), with the fake credentials.
 
     Skipped where no ``weed`` binary can run; with ``NVDCP_REQUIRE_SEAWEEDFS=1`` (CI) that fails instead.
+    A server that runs but does not start is an error, not a skip.
     """
-    from nvdcp.testing.seaweedfs import SeaweedFS, SeaweedUnavailable
+    from nvdcp.testing.seaweedfs import SeaweedUnavailable
 
     try:
-        server = SeaweedFS(bucket=BUCKET, access_key=FAKE_KEY_ID, secret_key=FAKE_SECRET)
+        server = _seaweed_server()
     except SeaweedUnavailable as exc:
         if os.environ.get("NVDCP_REQUIRE_SEAWEEDFS") == "1":
             pytest.fail(f"SeaweedFS required (NVDCP_REQUIRE_SEAWEEDFS=1) but unavailable: {exc}")
         pytest.skip(f"SeaweedFS cannot run here: {exc}")
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield server
+    server.stop()  # at the end of the session (idempotent: each conftest's copy of this fixture calls it)
 
 
 @pytest.fixture

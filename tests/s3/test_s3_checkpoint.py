@@ -1,5 +1,8 @@
 """DCP checkpoints on S3 (a moto server on loopback): bit-exact round trips, multi-rank and resharded,
-uploads of many parts, faults injected by a proxy, a writer killed mid-save, and clear errors."""
+uploads of many parts, faults injected by a proxy, a writer killed mid-save, and clear errors.
+
+The multi-rank and fault tests also run against SeaweedFS (``any_s3env``), a server that verifies
+upload checksums and enforces 5 MiB parts."""
 
 from __future__ import annotations
 
@@ -74,6 +77,11 @@ def _save(url: str, opts: dict[str, Any], sd: dict[str, Any] | None = None, **kw
     return writer
 
 
+def _opts(env: S3Env, **kw: Any) -> dict[str, Any]:
+    """OPTS with the smallest parts ``env``'s server accepts."""
+    return {**OPTS, "part_size": env.min_part, "min_part_size": env.min_part, **kw}
+
+
 def _load(url: str, opts: dict[str, Any]) -> dict[str, Any]:
     sd = empty_like_sd(_state())
     dcp.load(sd, storage_reader=nvdcp.NvcompReader(url, storage_options=opts))
@@ -146,20 +154,23 @@ def _rank_load(rank: int, world: int, url: str, opts: dict[str, Any]) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_two_rank_save_loads_resharded_on_three(s3env: S3Env) -> None:
+def test_two_rank_save_loads_resharded_on_three(any_s3env: S3Env) -> None:
+    s3env = any_s3env
     url = s3env.url("dist/step1")
-    opts = dict(OPTS, part_size=64 * 1024)
+    opts = _opts(s3env, part_size=max(64 * 1024, s3env.min_part))
     run_ranks(2, _rank_save, url, opts)
     keys = s3env.keys("dist/step1/")
     assert "dist/step1/.metadata" in keys and sum(k.endswith(".nvdcp") for k in keys) == 2
     run_ranks(3, _rank_load, url, opts)
+    assert s3env.uploads() == []
 
 
 # -- faults --------------------------------------------------------------------------------------
-def test_save_and_load_survive_injected_faults(s3env: S3Env) -> None:
+def test_save_and_load_survive_injected_faults(any_s3env: S3Env) -> None:
+    s3env = any_s3env
     plan = FaultPlan(every=4, kinds=("503", "reset", "500", "cut"), max_faults=16, seconds=60)
     with FaultProxy(s3env.endpoint, plan) as proxy:
-        opts = dict(OPTS, endpoint_url=proxy.endpoint, max_attempts=4)
+        opts = _opts(s3env, endpoint_url=proxy.endpoint, max_attempts=4)
         url = s3env.url("flaky/step1")
         _save(url, opts, thread_count=2)
         _assert_same(_load(url, opts), _state())
@@ -167,14 +178,18 @@ def test_save_and_load_survive_injected_faults(s3env: S3Env) -> None:
     assert s3env.uploads() == []
 
 
-def test_save_failing_for_good_leaves_no_metadata_and_no_upload(s3env: S3Env) -> None:
+def test_save_failing_for_good_leaves_no_metadata_and_no_upload(any_s3env: S3Env) -> None:
+    s3env = any_s3env
+    sd = _state()
+    if s3env.min_part > P:  # parts of 5 MiB: a tensor that makes the data file three of them
+        sd["big"] = random_tensor(torch.uint8, (2 * s3env.min_part + 4096,), seed=9)
     # Every UploadPart after the first fails with SlowDown: retries run out.
     plan = FaultPlan(every=1, kinds=("503",), match=lambda m, p: is_upload_part(m, p) and "partNumber=1&" not in p + "&")
     with FaultProxy(s3env.endpoint, plan) as proxy:
-        opts = dict(OPTS, endpoint_url=proxy.endpoint, max_attempts=2, part_retries=1)
+        opts = _opts(s3env, endpoint_url=proxy.endpoint, max_attempts=2, part_retries=1)
         url = s3env.url("broken/step1")
         with pytest.raises(CheckpointException) as info:
-            _save(url, opts)
+            _save(url, opts, sd, codec="none")
         assert sum(proxy.faults.values()) >= 2
     err = failure_of(info.value)
     assert isinstance(err, nvdcp.errors.StorageUnavailableError), err

@@ -1,5 +1,7 @@
 """The native boto3 backend beyond the shared conformance suite: config, multipart strategy,
-back-pressure, retries through a fault-injecting proxy, abort, and error translation."""
+back-pressure, retries through a fault-injecting proxy, abort, and error translation.
+
+The fault-proxy tests run against moto and SeaweedFS (``any_s3env``)."""
 
 from __future__ import annotations
 
@@ -243,11 +245,21 @@ def test_abort_aborts_the_multipart_upload(s3env: S3Env) -> None:
         stream.commit()
 
 
-def test_transient_faults_are_retried(s3env: S3Env) -> None:
-    data = _data(12 * P + 5)
+def _fast(env: S3Env) -> dict:
+    """FAST with the smallest parts ``env``'s server accepts (SeaweedFS: 5 MiB)."""
+    return dict(FAST, part_size=env.min_part, min_part_size=env.min_part)
+
+
+def test_transient_faults_are_retried(any_s3env: S3Env) -> None:
+    s3env = any_s3env
+    part = s3env.min_part
+    data = _data((12 if part == P else 3) * part + 5)
     plan = FaultPlan(every=3, kinds=("503", "500", "reset", "cut"), max_faults=12)
     with FaultProxy(s3env.endpoint, plan) as proxy:
-        store = S3Storage(s3env.url("flaky"), endpoint_url=proxy.endpoint, max_attempts=3, read_part_size=64 * 1024, **FAST)
+        store = S3Storage(
+            s3env.url("flaky"), endpoint_url=proxy.endpoint, max_attempts=3, read_part_size=max(64 * 1024, part // 4),
+            **_fast(s3env),
+        )
         _stream(store, "f", data)
         store.write_atomic(".metadata", b"meta")
         ranges = [(i * 7000, 5000) for i in range(50)] + [(0, len(data))]
@@ -259,13 +271,14 @@ def test_transient_faults_are_retried(s3env: S3Env) -> None:
         assert proxy.faults["cut"] >= 1
 
 
-def test_failing_part_aborts_upload_with_clear_error(s3env: S3Env) -> None:
+def test_failing_part_aborts_upload_with_clear_error(any_s3env: S3Env) -> None:
+    s3env = any_s3env
     plan = FaultPlan(every=1, kinds=("503",), match=lambda m, p: is_upload_part(m, p) and "partNumber=3" in p)
     with FaultProxy(s3env.endpoint, plan) as proxy:
-        store = S3Storage(s3env.url("fail"), endpoint_url=proxy.endpoint, max_attempts=2, part_retries=1, **FAST)
+        store = S3Storage(s3env.url("fail"), endpoint_url=proxy.endpoint, max_attempts=2, part_retries=1, **_fast(s3env))
         stream = store.create("f")
         with pytest.raises(StorageUnavailableError) as info:
-            stream.write(_data(8 * P))
+            stream.write(_data((8 if s3env.min_part == P else 5) * s3env.min_part))
             stream.commit()
         stream.abort()
     assert "s3://nvdcp-test/fail/f" in str(info.value) and "SlowDown" in str(info.value)
