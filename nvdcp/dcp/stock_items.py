@@ -246,53 +246,78 @@ class StockItemReader:
         file is opened for this item only.
         """
         descs = tuple(descriptors or ())
-        if dtype is None:
-            record = _fetch(storage, name, offset, length, where)
-            return self._untransformed(record, descs, where) if descs else record
-        if shape is not None and not descs:
+        if dtype is not None and shape is not None and not descs:
             needed = tensor_nbytes(shape, dtype)
             if length < needed:
                 raise CorruptCheckpointError(
                     f"{where}: record of {length} bytes cannot hold a {dtype} {list(shape)} tensor ({needed} bytes)"
                 )
         stream: Any
-        if descs or not isinstance(storage, LocalStorage):
-            record = _fetch(storage, name, offset, length, where)
-            if descs:
-                record = self._untransformed(record, descs, where)
-            stream = _in_memory(record)
-            size = len(record)
-            if into is not None and _fillable(into, dtype, shape) and _fill(stream, into, size, where):
-                return into
-            stream.seek(0)
-            return _load_tensor(stream, dtype, shape, where)
         with contextlib.ExitStack() as stack:
-            if files is None:
-                files = stack.enter_context(OpenFiles(storage))
-            path, fd, size = files.get(name)
-            if offset + length > size:
-                raise TruncatedCheckpointError(
-                    f"{where}: wanted {length} bytes at offset {offset}, {path} ends after {max(0, size - offset)}"
-                )
-            if length <= WHOLE_RECORD_BYTES:
-                return _load_tensor(io.BytesIO(os.pread(fd, length, offset)), dtype, shape, where)
-            stream = _RangeFile(fd, offset, length)
-            if into is not None and _fillable(into, dtype, shape) and _fill(stream, into, length, where):
-                return into
-            stream.seek(0)
-            return _load_tensor(stream, dtype, shape, where)
+            if isinstance(storage, LocalStorage):
+                if files is None:
+                    files = stack.enter_context(OpenFiles(storage))
+                path, fd, size = files.get(name)
+                if offset + length > size:
+                    raise TruncatedCheckpointError(
+                        f"{where}: wanted {length} bytes at offset {offset}, {path} ends after {max(0, size - offset)}"
+                    )
+                if dtype is not None and not descs and length > WHOLE_RECORD_BYTES:
+                    # torch.load (or the direct path) reads what it needs from the file itself
+                    stream = _RangeFile(fd, offset, length)
+                    if into is not None and _fillable(into, dtype, shape) and _fill(stream, into, length, where):
+                        return into
+                    stream.seek(0)
+                    return _load_tensor(stream, dtype, shape, where)
+                record: Buffer = os.pread(fd, length, offset)
+                if len(record) != length:
+                    raise TruncatedCheckpointError(f"{where}: {path} ends {len(record)} bytes into the record")
+            else:
+                record = _fetch(storage, name, offset, length, where)
+        if descs:
+            record = self._untransformed(record, descs, where)
+        if dtype is None:
+            _refuse_nvdcp_record(record, where)
+            return record
+        stream = _in_memory(record)
+        size = len(record)
+        if into is not None and _fillable(into, dtype, shape) and _fill(stream, into, size, where):
+            return into
+        stream.seek(0)
+        return _load_tensor(stream, dtype, shape, where)
 
     def _untransformed(self, record: Buffer, descs: tuple[str, ...], where: str) -> bytes:
         """The record with its stream transforms undone, all in memory."""
         try:
-            stream = self.transforms.transform_load_stream(None, descs, _BufferFile(record))  # type: ignore[arg-type]
-            return bytes(stream.read())
+            stream = self.transforms.transform_load_stream(None, descs, _in_memory(record))  # type: ignore[arg-type]
+            out = stream.read()
+            return out if isinstance(out, bytes) else bytes(out)
         except ValueError as exc:
             if "no module named" in str(exc).lower():
                 raise CodecUnavailableError(f"{where}: cannot undo transforms {list(descs)}: {exc}") from exc
             raise CorruptCheckpointError(f"{where}: cannot undo transforms {list(descs)}: {exc}") from exc
         except Exception as exc:  # a damaged stream raises whatever its decompressor raises
             raise CorruptCheckpointError(f"{where}: cannot undo transforms {list(descs)}: {exc}") from exc
+
+
+def _refuse_nvdcp_record(record: Buffer, where: str) -> None:
+    """A stock bytes item reaches the planner unchecked; one that is a whole, valid nvdcp item
+    record means ``.metadata`` lost the item's nvdcp descriptor: refuse it rather than hand the
+    planner compressed bytes (tensor items are refused by ``torch.load`` already)."""
+    from nvdcp.format.header import ITEM_MAGIC, parse_item_header
+
+    view = memoryview(record)
+    if bytes(view[: len(ITEM_MAGIC)]) != ITEM_MAGIC:
+        return
+    try:
+        header = parse_item_header(view, where)
+    except CorruptCheckpointError:
+        return  # not a record of ours after all: user bytes that happen to start alike
+    if header.header_bytes + header.stored_nbytes == len(view):
+        raise CorruptCheckpointError(
+            f"{where}: holds an nvdcp item record, but .metadata gives it no nvdcp descriptor "
+            "(a damaged or edited .metadata)"
+        )
 
 
 def _fetch(storage: Storage, name: str, offset: int, length: int, where: str) -> Buffer:

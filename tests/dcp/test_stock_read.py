@@ -358,3 +358,19 @@ def test_stock_metadata_paths_are_allowed_but_gadgets_are_not(tmp_path: Path) ->
     (path / ".metadata").write_bytes(blob)
     with pytest.raises(nvdcp.CorruptCheckpointError, match="refusing"):
         nvdcp.NvcompReader(path).read_metadata()
+
+
+@pytest.mark.parametrize("module, name, expect", [
+    ("pathlib._local", "PosixPath", "PurePosixPath"),  # how Python 3.13 pickles a PosixPath
+    ("pathlib", "WindowsPath", "PureWindowsPath"),  # a checkpoint saved on Windows
+])
+def test_stock_metadata_paths_from_other_pythons_and_systems(tmp_path: Path, module: str, name: str, expect: str) -> None:
+    import pathlib
+
+    path, sd = _stock(tmp_path, {"a": torch.arange(4.0)})
+    blob = pickle.dumps(pickle.loads((path / ".metadata").read_bytes()), protocol=2)  # GLOBAL opcodes, no frames
+    assert blob.count(b"cpathlib\nPosixPath\n") == 1
+    (path / ".metadata").write_bytes(blob.replace(b"cpathlib\nPosixPath\n", f"c{module}\n{name}\n".encode()))
+    md = nvdcp.NvcompReader(path).read_metadata()
+    assert isinstance(md.storage_meta.checkpoint_id, getattr(pathlib, expect))
+    assert_same(nv_load(path, sd), sd)
