@@ -1,14 +1,18 @@
 """What the save digests cost (issue 17 part 3): save time and ``.metadata`` size, digests on vs off.
 
-    python -m benchmarks.digest_cost [--steps 10] [--repeats 9] [--dir /tmp/nvdcp-digest-cost]
+    python -m benchmarks.digest_cost [--steps 10] [--repeats 21] [--dir /tmp/nvdcp-digest-cost]
 
 1. The CPU reference workload (nvdcp/demo/workload.py ``train_state``: the byte-level GPT at CPU
    size trained a few steps with AdamW; fp32 params + both moments) saved ``--repeats`` times with
    digests on and off (``NvcompWriter._record_digests``), interleaved on/off/off/on so drift hits
    both; one element changes between saves, so every save takes the stale check's normal path.
-   Reports median save seconds and ``.metadata`` bytes of each.
+   Reports median save seconds and ``.metadata`` bytes of each, and, since a difference of a few
+   hundred microseconds drowns in a shared machine's noise, the digest's own steps timed one by
+   one on that checkpoint (records in write_data, finish's split, the stale check, the extra
+   pickling) and their sum as a share of the median save.
 2. The coordinator's side at scale, without data: ``finish``'s split of 1,000 and 100,000
-   gathered ``WriteResult`` records with and without digests, the stale check, and the pickled
+   gathered ``WriteResult`` records with digests against the dict it built before digests, the
+   stale check, the pickled size of the gathered results, and the pickled
    ``.metadata`` size of synthetic 1,000- and 100,000-item checkpoints (one chunk per tensor, and
    8 shards per tensor) with and without the digest record.
 
@@ -57,8 +61,12 @@ def _first_tensor(state: Any) -> torch.Tensor:
 
 
 def save_times(state: Any, root: str, repeats: int) -> dict[str, Any]:
+    """``repeats`` pairs of saves, one with digests and one without, the order alternating; wall
+    and CPU seconds (this process, all threads: what digests would add is CPU work, and CPU time
+    is less disturbed by other processes on a shared machine than wall time)."""
     touch = _first_tensor(state["model"])
-    times: dict[str, list[float]] = {"on": [], "off": []}
+    wall: dict[str, list[float]] = {"on": [], "off": []}
+    cpu: dict[str, list[float]] = {"on": [], "off": []}
     sizes: dict[str, int] = {}
     items = 0
     order = []
@@ -69,24 +77,78 @@ def save_times(state: Any, root: str, repeats: int) -> dict[str, Any]:
         path = fresh_dir(os.path.join(root, mode))
         writer = nvdcp.NvcompWriter(path)
         writer._record_digests = mode == "on"
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         dcp.save(state, storage_writer=writer)
-        seconds = time.perf_counter() - t0
+        seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
         if i >= 2:
-            times[mode].append(seconds)
+            wall[mode].append(seconds)
+            cpu[mode].append(cpu_seconds)
         sizes[mode] = os.path.getsize(os.path.join(path, ".metadata"))
         with open(os.path.join(path, ".metadata"), "rb") as f:
             md = pickle.load(f)
         items = len(md.storage_data)
         assert hasattr(md, DIGEST_ATTR) == (mode == "on")
-    on, off = statistics.median(times["on"]), statistics.median(times["off"])
+
+    def summary(times: dict[str, list[float]]) -> dict[str, Any]:
+        on, off = statistics.median(times["on"]), statistics.median(times["off"])
+        paired = statistics.median(a - b for a, b in zip(times["on"], times["off"]))  # neighbours in time
+        return {"median_on": round(on, 4), "median_off": round(off, 4), "delta_pct": round(100 * (on - off) / off, 2),
+                "paired_median_delta_s": round(paired, 5), "paired_delta_pct": round(100 * paired / off, 2),
+                "all": {k: [round(x, 4) for x in v] for k, v in times.items()}}
+
     return {
         "items": items, "raw_bytes": tensor_bytes(state), "repeats": repeats,
-        "save_s": {"on": round(on, 4), "off": round(off, 4)},
-        "save_s_all": {k: [round(x, 4) for x in v] for k, v in times.items()},
-        "save_time_delta_pct": round(100 * (on - off) / off, 2),
+        "wall_s": summary(wall), "cpu_s": summary(cpu),
         "metadata_bytes": sizes, "metadata_delta_pct": round(100 * (sizes["on"] - sizes["off"]) / sizes["off"], 2),
     }
+
+
+def direct_overhead(path: str, repeats: int = 50) -> dict[str, Any]:
+    """The work digests add to one save of the checkpoint at ``path``, each step timed alone (best
+    of ``repeats``): too small to see in the save's wall time on a shared machine."""
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    from nvdcp.format.digest import digest_of_record_header, read_digests
+
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        md = pickle.load(f)
+    digests = read_digests(md).by_index
+    assert digests is not None
+    infos = list(md.storage_data.items())
+    header = b"\x00" * 60 + (1234).to_bytes(4, "little")
+    records = [[WriteResult(ix, info.length, ItemRecord(info, digests[ix])) for ix, info in infos]]
+    plain = [[WriteResult(ix, info.length, info) for ix, info in infos]]
+
+    def per_item_on() -> None:  # write_data: the digest from the header, one record per item
+        for _, info in infos:
+            ItemRecord(info, digest_of_record_header(header))
+
+    storage_md, packed = split_results(records)
+    assert packed is not None
+    HISTORY.clear()
+    HISTORY.remember("x", "0", bytes(len(packed)))
+    steps = {
+        "write_data_records": _best(per_item_on, repeats),
+        "finish_split_on": _best(lambda: split_results(records), repeats),
+        "finish_split_off": _best(lambda: {wr.index: wr.storage_data for rank in plain for wr in rank}, repeats),
+        "stale_check": _best(lambda: check_identical_save("y", packed, "warn"), repeats),
+    }
+    HISTORY.clear()
+    md.storage_data = storage_md
+    vars(md).pop(DIGEST_ATTR, None)
+    steps["pickle_off"] = _best(lambda: pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL), repeats)
+    setattr(md, DIGEST_ATTR, digest_record(packed))
+    steps["pickle_on"] = _best(lambda: pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL), repeats)
+    with_record = len(pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL))
+    setattr(md, DIGEST_ATTR, dict(zip(storage_md, (digests[ix] for ix in storage_md))))
+    keyed = len(pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL))
+    vars(md).pop(DIGEST_ATTR)
+    without = len(pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL))
+    sizes = {"metadata_off": without, "metadata_on": with_record, "metadata_keyed_dict": keyed,
+             "keyed_dict_delta_pct": round(100 * (keyed - without) / without, 2)}
+    added = (steps["write_data_records"] + steps["finish_split_on"] - steps["finish_split_off"] + steps["stale_check"]
+             + steps["pickle_on"] - steps["pickle_off"])
+    return {"steps_s": {k: round(v, 7) for k, v in steps.items()}, "added_s": round(added, 7), "pickled": sizes}
 
 
 def synthetic_metadata(n_tensors: int, shards: int) -> tuple[Metadata, list[list[WriteResult]]]:
@@ -120,7 +182,7 @@ def coordinator_costs(items: list[int]) -> list[dict[str, Any]]:
         for shards in (1, 8):
             md, results = synthetic_metadata(n // shards, shards)
             plain = [[WriteResult(wr.index, wr.size_in_bytes, wr.storage_data.info) for wr in rr] for rr in results]
-            split_off = _best(lambda: split_results(plain))  # noqa: B023
+            split_off = _best(lambda: {wr.index: wr.storage_data for rank in plain for wr in rank})  # noqa: B023
             split_on = _best(lambda: split_results(results))  # noqa: B023
             storage_md, digests = split_results(results)
             assert digests is not None
@@ -152,7 +214,7 @@ def coordinator_costs(items: list[int]) -> list[dict[str, Any]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--repeats", type=int, default=21)
     ap.add_argument("--dir", default="/tmp/nvdcp-digest-cost")
     ap.add_argument("--small", action="store_true", help="tiny model, 2 repeats, 1k items (smoke test)")
     ap.add_argument("--out", default=None)
@@ -163,13 +225,22 @@ def main() -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     state, loss = train_state("cpu", cfg=cfg, steps=steps, batch=8)
     workload = save_times(state, args.dir, repeats)
+    workload["direct"] = direct_overhead(os.path.join(args.dir, "on"))
+    workload["direct"]["added_pct_of_save"] = round(
+        100 * workload["direct"]["added_s"] / workload["wall_s"]["median_off"], 4)
     workload["workload"] = {"config": cfg.__dict__, "steps": steps, "final_loss": round(loss, 3)}
     print(f"reference workload: {workload['items']} items, {workload['raw_bytes']:,} bytes of tensors")
     print(markdown_table([
-        {"digests": k, "median save s": workload["save_s"][k], ".metadata bytes": workload["metadata_bytes"][k]}
+        {"digests": k, "median save s (wall)": workload["wall_s"][f"median_{k}"],
+         "median save s (CPU)": workload["cpu_s"][f"median_{k}"], ".metadata bytes": workload["metadata_bytes"][k]}
         for k in ("off", "on")
-    ], ["digests", "median save s", ".metadata bytes"]))
-    print(f"save time {workload['save_time_delta_pct']:+.2f}%, .metadata {workload['metadata_delta_pct']:+.2f}%\n")
+    ], ["digests", "median save s (wall)", "median save s (CPU)", ".metadata bytes"]))
+    print(f"{repeats} pairs: wall {workload['wall_s']['delta_pct']:+.2f}% (paired {workload['wall_s']['paired_delta_pct']:+.2f}%), "
+          f"CPU {workload['cpu_s']['delta_pct']:+.2f}% (paired {workload['cpu_s']['paired_delta_pct']:+.2f}%), "
+          f".metadata {workload['metadata_delta_pct']:+.2f}%")
+    direct = workload["direct"]
+    print(f"digest work timed step by step: {direct['added_s'] * 1e6:.0f} us per save = "
+          f"{direct['added_pct_of_save']:.3f}% of the median save; {direct['steps_s']}\n")
     scale = coordinator_costs([1_000] if args.small else [1_000, 100_000])
     print(markdown_table(scale, ["items", "shards_per_tensor", "split_off_s", "split_on_s", "stale_check_s",
                                  "metadata_off", "metadata_on", "metadata_delta_pct", "keyed_dict_delta_pct"]))

@@ -383,7 +383,7 @@ class DiffResult:
     a: str
     b: str
     #: How each side's digests were had: ``"recorded"`` (``.metadata``) or ``"headers"`` (read
-    #: from the item headers: a checkpoint saved without digests).
+    #: from the item headers: a checkpoint saved without digests, or ``use_recorded=False``).
     sources: dict[str, str]
     added: list[str] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
@@ -422,14 +422,14 @@ def _is_nvdcp(info: Any) -> bool:
     return any(isinstance(d, str) and d.startswith(descriptor.PREFIX) for d in descs)
 
 
-def _side(path: str | os.PathLike[str], storage_options: dict[str, Any] | None, threads: int) -> _Side:
+def _side(path: str | os.PathLike[str], storage_options: dict[str, Any] | None, threads: int, use_recorded: bool) -> _Side:
     storage = open_storage(path, **(storage_options or {}))
     metadata: Metadata = load_any_metadata(storage)
     records: dict[MetadataIndex, Any] = metadata.storage_data or {}
     if not isinstance(records, dict):
         raise CorruptCheckpointError(f"{storage.url}: .metadata has no storage records")
     recorded: RecordedDigests = read_digests(metadata)
-    if recorded.by_index is not None:
+    if recorded.by_index is not None and use_recorded:
         return _Side(storage.url, metadata, dict(recorded.by_index), "recorded", {})
     # No usable record: the digests are the item headers' CRCs, read as `inspect` reads them.
     digests: dict[MetadataIndex, int | None] = {}
@@ -470,20 +470,23 @@ def diff_checkpoints(
     storage_options: dict[str, Any] | None = None,
     b_storage_options: dict[str, Any] | None = None,
     threads: int = 8,
+    use_recorded: bool = True,
 ) -> DiffResult:
     """Compare checkpoint ``b`` with checkpoint ``a`` entry by entry, without decoding anything.
 
     Each stored shard is compared by its digest (:mod:`nvdcp.format.digest`): the one recorded in
     ``.metadata`` at save time, or, for a checkpoint saved without digests, the CRC32C of its item
-    header (one bounded read per item, no payload). ``storage_options`` opens ``a`` (and ``b``
-    unless ``b_storage_options`` is given).
+    header (one bounded read per item, no payload). ``use_recorded=False`` reads the headers
+    even where digests were recorded: recorded digests say what was saved, headers what is
+    stored now (``verify_checkpoint`` checks that the two agree). ``storage_options`` opens
+    ``a`` (and ``b`` unless ``b_storage_options`` is given).
 
     Raises:
         IncompleteCheckpointError: no ``.metadata`` at ``a`` or ``b``.
         CorruptCheckpointError: a ``.metadata`` is unreadable.
     """
-    side_a = _side(a, storage_options, threads)
-    side_b = _side(b, storage_options if b_storage_options is None else b_storage_options, threads)
+    side_a = _side(a, storage_options, threads, use_recorded)
+    side_b = _side(b, storage_options if b_storage_options is None else b_storage_options, threads, use_recorded)
     result = DiffResult(side_a.url, side_b.url, {"a": side_a.source, "b": side_b.source})
     for side in (side_a, side_b):
         result.errors += sorted({why for why in side.why_none.values() if why.startswith("unreadable")})

@@ -114,9 +114,12 @@ def cli(verbose: int) -> None:
               "compared by their digests without decoding anything.")
 @click.option("--diff-option", "other_opts", multiple=True, metavar="KEY=VALUE",
               help="Storage option of OTHER (repeatable; default: those of -o).")
+@click.option("--from-headers", is_flag=True,
+              help="With --diff: compare the item headers as stored now (one small read per item) instead "
+              "of the digests .metadata recorded at save.")
 @storage_option
 def inspect(path: str, as_json: bool, shards: bool, threads: int, other: str | None, other_opts: tuple[str, ...],
-            options: tuple[str, ...]) -> None:
+            from_headers: bool, options: tuple[str, ...]) -> None:
     """List every item: dtype, global shape, shards, codec, stored and original bytes, ratio;
     totals per dtype; the format, torch and nvCOMP versions recorded at save time.
 
@@ -129,10 +132,11 @@ def inspect(path: str, as_json: bool, shards: bool, threads: int, other: str | N
         if shards:
             raise click.BadParameter("--shards does not apply to --diff", param_hint="'--shards'")
         _diff(path, other, as_json, threads, _storage_options(options),
-              _storage_options(other_opts) if other_opts else None)
+              _storage_options(other_opts) if other_opts else None, not from_headers)
         return
-    if other_opts:
-        raise click.BadParameter("--diff-option applies with --diff only", param_hint="'--diff-option'")
+    if other_opts or from_headers:
+        flag = "--diff-option" if other_opts else "--from-headers"
+        raise click.BadParameter(f"{flag} applies with --diff only", param_hint=f"'{flag}'")
     from nvdcp.inspection import inspect_checkpoint
 
     result = inspect_checkpoint(path, storage_options=_storage_options(options), threads=threads)
@@ -146,14 +150,15 @@ def inspect(path: str, as_json: bool, shards: bool, threads: int, other: str | N
         raise Failure(f"{len(result.errors)} unreadable header(s); run `nvdcp verify {path}`", EXIT_DAMAGED)
 
 
-_DIFF_SOURCES = {"recorded": "digests recorded at save", "headers": "no digests recorded: item headers read"}
+_DIFF_SOURCES = {"recorded": "digests recorded at save", "headers": "item headers read"}
 
 
 def _diff(path: str, other: str, as_json: bool, threads: int, options: dict[str, Any],
-          other_options: dict[str, Any] | None) -> None:
+          other_options: dict[str, Any] | None, use_recorded: bool) -> None:
     from nvdcp.inspection import diff_checkpoints
 
-    result = diff_checkpoints(path, other, storage_options=options, b_storage_options=other_options, threads=threads)
+    result = diff_checkpoints(path, other, storage_options=options, b_storage_options=other_options, threads=threads,
+                              use_recorded=use_recorded)
     if as_json:
         _ui.print_json(result.as_dict())
     else:

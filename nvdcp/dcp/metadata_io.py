@@ -4,7 +4,8 @@
 unpickles with a restricted ``Unpickler`` that resolves only what a DCP ``Metadata`` contains:
 the dataclasses and enums *defined in* ``torch.distributed.checkpoint.metadata`` and
 ``.filesystem``, torch dtypes, layouts, memory formats and ``torch.Size``, ``OrderedDict``, sets
-(and ``copyreg._reconstructor`` on ``object``, which protocols 0 and 1 use to build them).
+(and ``copyreg._reconstructor`` on ``object``, which protocols 0 and 1 use to build them, and
+``_codecs.encode`` of a ``str`` to latin-1 only, how protocols 0-2 spell ``bytes``).
 Nothing callable beyond those constructors (no ``getattr``, no dotted names, no functions
 imported into those modules) is reachable. ``allow_paths`` (what :class:`~nvdcp.NvcompReader`
 and the CLI use) also admits ``pathlib`` paths, the one other type a stock ``.metadata`` holds. Before unpickling, the opcodes are walked once so a
@@ -27,7 +28,7 @@ import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from itertools import repeat
+from itertools import chain, compress, cycle, islice, repeat
 from operator import add, attrgetter, itemgetter, le
 from typing import Any
 
@@ -44,7 +45,9 @@ from nvdcp.storage import Storage
 from nvdcp.storage.base import check_name
 
 METADATA_NAME = ".metadata"
-MAX_METADATA_BYTES = 1 << 31
+#: Largest ``.metadata`` read. DCP's pickle takes about 200 bytes per item: a 7B model's FSDP2
+#: save on 16,384 ranks (14.3 million items) is 2.8 GB, past the 2 GiB this was (docs/SCALE.md).
+MAX_METADATA_BYTES = 1 << 34
 #: Largest offset or length a storage record may hold (S3 objects stop at 5 TiB).
 MAX_RECORD_BYTES = 1 << 62
 
@@ -55,6 +58,14 @@ _ALLOWED = {
     ("torch", "Size"), ("torch.serialization", "_get_layout"),
 }
 _PY2_NAMES = {"__builtin__": "builtins", "copy_reg": "copyreg"}  # protocols 0-2 spell them so
+
+
+def _latin1_bytes(text: str, encoding: str) -> bytes:
+    """``_codecs.encode`` as pickle protocols 0-2 spell a ``bytes`` object (nvdcp's save digest
+    record, docs/FORMAT.md): the latin-1 encoding of a ``str``, and nothing else."""
+    if type(text) is not str or encoding not in ("latin1", "latin-1"):
+        raise pickle.UnpicklingError("refusing _codecs.encode other than a latin-1 str from .metadata")
+    return text.encode("latin-1")
 
 
 def _reconstructor(cls: type, base: type, state: Any) -> Any:
@@ -99,6 +110,8 @@ class _MetadataUnpickler(pickle.Unpickler):
         module = _PY2_NAMES.get(module, module)
         if (module, name) == ("copyreg", "_reconstructor"):
             return _reconstructor
+        if (module, name) == ("_codecs", "encode"):
+            return _latin1_bytes
         if (module, name) in _ALLOWED:
             return super().find_class(module, name)
         if module in _DCP_MODULES:
@@ -139,15 +152,15 @@ def load_metadata(storage: Storage, *, allow_paths: bool = False) -> Metadata:
     if len(blob) > MAX_METADATA_BYTES:
         raise CorruptCheckpointError(f"{where}: {len(blob)} bytes is implausibly large")
     check_memo_indices(blob, where)
-    try:
-        unpickler = _StockMetadataUnpickler if allow_paths else _MetadataUnpickler
-        with gc_paused():
+    with gc_paused():
+        try:
+            unpickler = _StockMetadataUnpickler if allow_paths else _MetadataUnpickler
             metadata = unpickler(io.BytesIO(blob)).load()
-    except Exception as exc:  # a corrupt pickle can raise almost anything
-        raise CorruptCheckpointError(f"{where}: cannot unpickle: {exc}") from exc
-    if not isinstance(metadata, Metadata):
-        raise CorruptCheckpointError(f"{where}: holds {type(metadata).__name__}, not Metadata")
-    check_records(metadata, where)
+        except Exception as exc:  # a corrupt pickle can raise almost anything
+            raise CorruptCheckpointError(f"{where}: cannot unpickle: {exc}") from exc
+        if not isinstance(metadata, Metadata):
+            raise CorruptCheckpointError(f"{where}: holds {type(metadata).__name__}, not Metadata")
+        check_records(metadata, where)
     return metadata
 
 
@@ -155,9 +168,11 @@ def load_metadata(storage: Storage, *, allow_paths: bool = False) -> Metadata:
 def gc_paused() -> Iterator[None]:
     """Run the block with Python's cyclic garbage collector off (restored after, if it was on).
 
-    Unpickling a ``.metadata`` builds millions of small acyclic objects; the collector, triggered
-    by their allocations, would walk the growing heap again and again and take most of the time
-    (3-4x at 56k items, more with size: docs/SCALE.md). Nothing in it can form a cycle to collect.
+    Unpickling a ``.metadata`` builds millions of small acyclic objects, and the checks over it
+    (and the save report) build temporary tuples by the million; the collector, triggered by
+    those allocations, walks the whole heap again and again: 3-4x the unpickling time at 56k
+    items, and seconds at random points of the checks (docs/SCALE.md). None of it can form a
+    cycle to collect.
     """
     enabled = gc.isenabled()
     gc.disable()
@@ -354,12 +369,15 @@ def _check_layout(metadata: Metadata, where: str) -> None:
     if not isinstance(sdm, dict):
         raise CorruptCheckpointError(f"{where}: has no state_dict_metadata")
     # What ``MetadataIndex(fqn, offsets) in records`` finds, as plain tuples: a MetadataIndex
-    # hashes and compares as its (fqn, offset), and only equals another MetadataIndex.
+    # hashes and compares as its (fqn, offset), and only equals another MetadataIndex. Each
+    # record's fqn is swapped for the equal key of state_dict_metadata: every record of a rank
+    # holds its own copy of the string, and comparing one object with itself skips the bytes.
     keys = list(records)
     if set(map(type, keys)) <= {MetadataIndex}:
-        fqns = list(map(attrgetter("fqn"), keys))
-        recorded = set(zip(fqns, map(attrgetter("offset"), keys)))
-        unknown = not sdm.keys() >= set(fqns)
+        named = list(map(attrgetter("fqn"), keys))
+        fqns = list(map({f: f for f in sdm}.get, named))
+        unknown = None in fqns
+        recorded = set(zip(named if unknown else fqns, map(attrgetter("offset"), keys)))
     else:
         recorded = {(k.fqn, k.offset) for k in keys if type(k) is MetadataIndex}
         unknown = True
@@ -411,12 +429,17 @@ def _tile(fqn: str, md: TensorStorageMetadata, where: str) -> list[tuple[tuple[i
         )
     # Same volume and all inside: any overlap leaves a gap. Sweep along the dimension the
     # chunks are cut along most (the shard dimension), so a 1-D sharding costs O(n log n).
-    solid = [b for b in boxes if all(b[1])]
-    d = max(range(len(size)), key=lambda k: len({o[k] for o, _ in solid}), default=0)
-    solid.sort(key=lambda b: b[0][d] if size else 0)
+    # Each step is a pass in C (map, set, sort): a 16,384-rank tensor has 16,384 chunks.
+    solid = list(compress(boxes, map(all, map(itemgetter(1), boxes))))  # empty chunks overlap nothing
+    corners = list(map(itemgetter(0), solid))
+    d = max(range(len(size)), key=lambda k: len(set(map(itemgetter(k), corners))), default=0)
     if size and len(solid) > 1:
-        starts = [o[d] for o, _ in solid]
-        if all(map(le, map(add, starts, [n[d] for _, n in solid]), starts[1:])):
+        starts = list(map(itemgetter(d), corners))
+        if not all(map(le, starts, islice(starts, 1, None))):  # not in order yet (a stable sort)
+            solid.sort(key=lambda b: b[0][d])
+            starts = [o[d] for o, _ in solid]
+        ends = map(add, starts, map(itemgetter(d), map(itemgetter(1), solid)))
+        if all(map(le, ends, islice(starts, 1, None))):
             return boxes  # each box ends before the next starts along d: none overlap
     count = len(solid)
     for i, (off_a, len_a) in enumerate(solid):
@@ -433,21 +456,24 @@ def _tile(fqn: str, md: TensorStorageMetadata, where: str) -> list[tuple[tuple[i
 
 def _inside(chunks: Any, size: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...]]] | None:
     """The chunks' (offsets, sizes) when every one has the tensor's rank and lies inside it (int
-    offsets and lengths >= 0), checked a dimension at a time in C; None when not, or when that
-    cannot tell (then :func:`_tile` checks chunk by chunk and names the first bad one)."""
+    offsets and lengths >= 0), checked in a few passes in C; None when not, or when that cannot
+    tell (then :func:`_tile` checks chunk by chunk and names the first bad one). ``torch.Size``
+    and tuples are kept as they are (a Size hashes, compares and prints as its tuple)."""
+    import torch
+
     try:
-        offsets = list(map(tuple, map(attrgetter("offsets"), chunks)))
-        sizes = list(map(tuple, map(attrgetter("sizes"), chunks)))
-        if not offsets:
-            return []
+        offsets = list(map(attrgetter("offsets"), chunks))
+        sizes = list(map(attrgetter("sizes"), chunks))
+        if not set(map(type, offsets)) | set(map(type, sizes)) <= {torch.Size, tuple}:
+            offsets, sizes = list(map(tuple, offsets)), list(map(tuple, sizes))
         ndim = len(size)
-        if set(map(len, offsets)) != {ndim} or set(map(len, sizes)) != {ndim}:
+        if offsets and (set(map(len, offsets)) != {ndim} or set(map(len, sizes)) != {ndim}):
             return None
-        for k, dim in enumerate(size):
-            starts, lengths = list(map(itemgetter(k), offsets)), list(map(itemgetter(k), sizes))
+        if offsets and ndim:
+            starts, lengths = list(chain.from_iterable(offsets)), list(chain.from_iterable(sizes))
             if set(map(type, starts)) != {int} or set(map(type, lengths)) != {int}:
                 return None
-            if min(starts) < 0 or min(lengths) < 0 or not all(map(le, map(add, starts, lengths), repeat(dim))):
+            if min(starts) < 0 or min(lengths) < 0 or not all(map(le, map(add, starts, lengths), cycle(size))):
                 return None
     except (AttributeError, TypeError):
         return None

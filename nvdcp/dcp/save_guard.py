@@ -19,9 +19,11 @@ import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from itertools import groupby
+from operator import add, attrgetter, itemgetter
 from typing import Any
 
-from nvdcp.dcp.metadata_io import METADATA_NAME
+from nvdcp.dcp.metadata_io import METADATA_NAME, gc_paused
 from nvdcp.errors import CorruptCheckpointError, MissingDataFileError, TruncatedCheckpointError
 from nvdcp.storage import Storage
 
@@ -73,13 +75,18 @@ class SaveGuard:
         differently is asked again on its own before the save fails, so a listing that lags a
         write costs a request, never a save.
         """
+        # Where each file's last item ends. Records come grouped by file (each rank's results
+        # in order): a Python step per group, map/max over the records of a group.
+        infos = records.values()
+        spans = zip(map(attrgetter("relative_path"), infos),
+                    map(add, map(attrgetter("offset"), infos), map(attrgetter("length"), infos)))
         ends: dict[str, int] = {}
-        get = ends.get
-        for info in records.values():
-            name, end = info.relative_path, info.offset + info.length
-            prior = get(name)
-            if prior is None or end > prior:
-                ends[name] = max(end, 0)
+        with gc_paused():  # a tuple per record: no collector passes over the coordinator's heap
+            for name, group in groupby(spans, key=itemgetter(0)):
+                end = max(map(itemgetter(1), group))
+                prior = ends.get(name)
+                if prior is None or end > prior:
+                    ends[name] = max(end, 0)
         unconfirmed = list(ends.items())
         listed = self._list_sizes() if len(unconfirmed) > 1 else None
         if listed is not None:

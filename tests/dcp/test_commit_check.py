@@ -161,3 +161,14 @@ def test_a_multi_file_save_commits_through_the_listing(tmp_path: Path) -> None:
     back = {k: torch.zeros_like(v) for k, v in state.items()}
     dcp.load(back, storage_reader=nvdcp.NvcompReader(tmp_path / "c"))
     assert all(torch.equal(back[k], state[k]) for k in state)
+
+
+def test_records_of_a_file_need_not_be_together(root: Path) -> None:
+    """Each file's end is the furthest of its records wherever they sit (here: files interleaved)."""
+    interleaved = dict(sorted(records().items(), key=lambda kv: (kv[0][1], kv[0][0])))
+    storage = CountingStorage(root)
+    SaveGuard(storage).check_data_files(interleaved)
+    assert storage.size_calls == []
+    os.truncate(root / names()[4], END - ITEM)  # its last item gone: only that record reaches further
+    with pytest.raises(nvdcp.TruncatedCheckpointError, match=names()[4]):
+        SaveGuard(storage).check_data_files(interleaved)

@@ -117,6 +117,34 @@ def test_metadata_stays_a_stock_pickle(tmp_path: Path) -> None:
     assert read_digests(strict).by_index == read_digests(md).by_index
 
 
+@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
+def test_the_record_survives_every_pickle_protocol(tmp_path: Path, protocol: int) -> None:
+    """Protocols 0-2 spell bytes as ``_codecs.encode(str, "latin1")``: the restricted unpickler
+    admits exactly that (and nothing else of ``_codecs``)."""
+    save(_state(), tmp_path)
+    md = _metadata(tmp_path)
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(md, protocol=protocol))
+    strict = load_metadata(open_storage(tmp_path))
+    assert read_digests(strict).by_index == read_digests(md).by_index
+    assert nvdcp.verify_checkpoint(tmp_path).digests == "checked"
+
+
+class _Rot13:
+    def __reduce__(self) -> Any:
+        import codecs
+
+        return (codecs.encode, ("payload", "rot13"))
+
+
+def test_other_codecs_calls_are_refused(tmp_path: Path) -> None:
+    save(_state(), tmp_path)
+    md = _metadata(tmp_path)
+    setattr(md, DIGEST_ATTR, _Rot13())
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(md, protocol=2))
+    with pytest.raises(nvdcp.CorruptCheckpointError, match="_codecs.encode"):
+        load_metadata(open_storage(tmp_path))
+
+
 def test_metadata_grows_by_about_four_bytes_per_item(tmp_path: Path) -> None:
     sd = {f"layer{i}.w": torch.full((4, 4), float(i)) for i in range(400)}
     writer = nvdcp.NvcompWriter(tmp_path / "off")
@@ -142,6 +170,10 @@ def test_write_results_carry_the_digest_and_finish_splits_them() -> None:
     storage_md, digests = split_results([[WriteResult(a, 10, rec)], [WriteResult(b, 10, info)]])
     assert digests is None and storage_md == {a: info, b: info}
     assert split_results([[WriteResult(a, 10, info)]]) == ({a: info}, None)
+    # an index twice (the dict keeps the first position, the last record): digests follow
+    storage_md, digests = split_results([[WriteResult(a, 10, ItemRecord(info, 1))],
+                                         [WriteResult(a, 10, ItemRecord(info, 2)), WriteResult(b, 10, rec)]])
+    assert list(storage_md) == [a, b] and digests is not None and list(unpack_digests(digests)) == [2, 0xDEADBEEF]
 
 
 def test_same_items_ignores_order_but_not_content() -> None:
@@ -207,11 +239,12 @@ def test_verify_catches_a_record_rewritten_with_a_self_consistent_header(tmp_pat
     """An item replaced after the save by another valid record (header CRC and chunk CRCs all
     consistent, same length): chunk checks and decode pass; only the save digest tells."""
     sd = _state()
-    save(sd, tmp_path, codec="none")
-    md = _metadata(tmp_path)
+    path = tmp_path / "ck"
+    save(sd, path, codec="none")
+    shutil.copytree(path, tmp_path / "orig")
+    md = _metadata(path)
     ix, info = next((ix, info) for ix, info in md.storage_data.items() if ix.fqn == "model.w")
-    file = tmp_path / info.relative_path
-    with open(file, "r+b") as f:
+    with open(path / info.relative_path, "r+b") as f:
         f.seek(info.offset)
         record = bytearray(f.read(info.length))
         header = parse_item_header_only(memoryview(record), "w")
@@ -229,11 +262,14 @@ def test_verify_catches_a_record_rewritten_with_a_self_consistent_header(tmp_pat
         assert len(forged) == header.header_bytes
         f.seek(info.offset)
         f.write(forged + bytes(payload))
-    report = nvdcp.verify_checkpoint(tmp_path)
+    report = nvdcp.verify_checkpoint(path)
     assert [(d.item, d.kind) for d in report.damaged] == [("'model.w' offset (0, 0)", "digest")]
-    # without the digest record the rewrite goes unnoticed: what the digest adds
-    _rewrite_metadata(tmp_path, lambda md: vars(md).pop(DIGEST_ATTR))
-    assert nvdcp.verify_checkpoint(tmp_path).ok
+    # diff trusts what was recorded at save; reading the headers shows what is stored now
+    assert diff_checkpoints(tmp_path / "orig", path).identical
+    assert diff_checkpoints(tmp_path / "orig", path, use_recorded=False).changed == ["model.w"]
+    # without the digest record the rewrite goes unnoticed by verify: what the digest adds
+    _rewrite_metadata(path, lambda md: vars(md).pop(DIGEST_ATTR))
+    assert nvdcp.verify_checkpoint(path).ok
 
 
 # -- diff ------------------------------------------------------------------------------------------
