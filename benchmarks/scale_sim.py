@@ -49,7 +49,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -111,7 +111,11 @@ def local_plan(
     import torch
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import (
-        BytesIOWriteData, SavePlan, TensorWriteData, WriteItem, WriteItemType,
+        BytesIOWriteData,
+        SavePlan,
+        TensorWriteData,
+        WriteItem,
+        WriteItemType,
     )
 
     items = []
@@ -371,8 +375,11 @@ def dcp_worker(ranks: int, items: int, validate: bool) -> dict[str, Any]:
     """DCP's own coordinator cost (the same under either writer): dedup of the plans as every
     rank sends them (replicated items on all), Metadata, and, if ``validate``, the overlap check
     ``DefaultSavePlanner`` runs on the global plan."""
-    from torch.distributed.checkpoint.default_planner import _validate_global_plan, create_default_global_save_plan
     from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+    from torch.distributed.checkpoint.default_planner import (
+        _validate_global_plan,
+        create_default_global_save_plan,
+    )
 
     meter = Meter()
     sharded, steps = model_entries(items)

@@ -32,13 +32,13 @@ from itertools import chain, compress, cycle, islice, repeat
 from operator import add, attrgetter, itemgetter, le
 from typing import Any
 
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
     MetadataIndex,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from nvdcp.errors import CorruptCheckpointError, IncompleteCheckpointError, MissingDataFileError
 from nvdcp.storage import Storage
@@ -253,7 +253,7 @@ def check_memo_indices(blob: bytes, where: str) -> None:
     n, i, skip, frombytes, run = len(blob), 0, _SKIP, int.from_bytes, _SIMPLE_RUN.match
     try:
         while i < n:
-            i = run(blob, i).end()  # type: ignore[union-attr]  (it matches the empty run too)
+            i = run(blob, i).end()  # type: ignore[union-attr]  # it matches the empty run too
             if i >= n:
                 break
             s = skip[blob[i]]
