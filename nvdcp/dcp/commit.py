@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Stora
 
 from nvdcp.dcp.metadata_io import METADATA_NAME
 from nvdcp.dcp.save_guard import DATA_FILE, SaveGuard
-from nvdcp.errors import StaleSaveError
+from nvdcp.errors import NvdcpError, StaleSaveError
 from nvdcp.format.digest import DIGEST_ATTR, digest_record, pack_digests
 from nvdcp.format.file_info import file_info
 from nvdcp.format.header import pack_file_header
@@ -91,8 +91,23 @@ class CheckpointCommit:
 
     def cleanup(self, keep: set[str]) -> bool:
         """After :meth:`commit`: delete other saves' data files that no live save needs, drop
-        the marker. False when a later save has superseded this one (nothing was deleted)."""
-        return self.guard.cleanup(keep, self.blob)
+        the marker. Returns whether a later save committed over this one (then only this save's
+        own files were touched), and True as well when cleanup failed, so callers delete nothing
+        more.
+
+        The checkpoint is committed before this runs: a storage failure here (a listing or the
+        read-back of ``.metadata`` failing, e.g. bytes damaged in flight on every retry) is
+        logged, not raised, since failing the save would misreport a complete checkpoint. The
+        leftover files go with the next save's cleanup or ``nvdcp.manage``.
+        """
+        try:
+            return self.guard.cleanup(keep, self.blob)
+        except NvdcpError as exc:
+            logger.warning(
+                "%s: checkpoint committed, but removing earlier saves' files failed (%s); "
+                "the next save or nvdcp.manage removes them", self.storage.url, exc,
+            )
+            return True
 
     def abandon(self) -> None:
         """Forget a save that never reached its commit (its marker is left for cleanup)."""

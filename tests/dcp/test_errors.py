@@ -192,3 +192,28 @@ def test_saving_over_a_checkpoint_replaces_it_whole(tmp_path: Path) -> None:
     out = empty_like_sd(new_sd)
     load(out, tmp_path)
     assert torch.equal(out["layer.weight"], new_sd["layer.weight"])
+
+
+def test_a_failed_cleanup_after_the_commit_does_not_fail_the_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Once .metadata is committed the checkpoint is complete: a storage error while removing
+    earlier saves' files is logged, and the save reports success."""
+    from nvdcp.dcp.save_guard import SaveGuard
+
+    first = _sd()
+    save(first, tmp_path)
+    old = set(data_files(tmp_path))
+
+    def unreadable(self: SaveGuard, committed: bytes) -> bool:
+        raise nvdcp.StorageError(5, ".metadata: read failed")
+
+    monkeypatch.setattr(SaveGuard, "_superseded", unreadable)
+    new_sd = {"layer.weight": torch.ones(256, 300), "layer.bias": torch.ones(300)}
+    with caplog.at_level("WARNING", logger="nvdcp.dcp.commit"):
+        save(new_sd, tmp_path)
+    assert "removing earlier saves' files failed" in caplog.text
+    assert old <= set(data_files(tmp_path))  # nothing of the earlier save was deleted blindly
+    out = empty_like_sd(new_sd)
+    load(out, tmp_path)
+    assert torch.equal(out["layer.weight"], new_sd["layer.weight"])
