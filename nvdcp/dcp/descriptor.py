@@ -44,7 +44,8 @@ def parse(info: object, where: str) -> tuple[str, int]:
     if len(ours) != 1 or len(descs) != 1:
         raise CorruptCheckpointError(
             f"{where}: not an nvdcp item (descriptors {list(descs)!r}); a checkpoint written by "
-            "torch's FileSystemWriter loads with FileSystemReader, or convert it with `nvdcp convert`"
+            "torch's FileSystemWriter is read by NvcompReader as stock items (no checksums to verify); "
+            "`nvdcp convert` makes an nvdcp copy that has them"
         )
     body = ours[0][len(PREFIX) :]
     name, _, version_s = body.partition("/")
