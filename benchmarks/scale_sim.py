@@ -463,8 +463,31 @@ def run_worker(argv: list[str], timeout: float, env: dict[str, str] | None = Non
     return out
 
 
+def total_items(ranks: int, items_per_rank: int) -> int:
+    """Records in ``.metadata`` for this many ranks: the non-empty shards, one empty shard per
+    tensor some rank has no rows of, the steps and the param_groups entries."""
+    sharded, steps = model_entries(items_per_rank)
+    total = len(steps) + len(PARAM_GROUP_KEYS)
+    for _, shape in sharded:
+        holders = -(-shape[0] // -(-shape[0] // ranks))  # ranks with rows: ceil(dim0 / rows per rank)
+        total += holders + (holders < ranks)
+    return total
+
+
 def plan_sizes(ranks: list[int], items: int, max_items: int) -> list[tuple[int, int]]:
-    return [(n, min(items, max(1, max_items // n))) for n in ranks]
+    """Items per rank for each rank count: ``items``, cut where the checkpoint would hold more
+    than ``max_items`` records (the coordinator holds about 3.7 KB per record)."""
+    out = []
+    for n in ranks:
+        k = items
+        if total_items(n, k) > max_items:
+            lo, hi = 1, items
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if total_items(n, mid) <= max_items else (lo, mid - 1)
+            k = lo
+        out.append((n, k))
+    return out
 
 
 def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -512,8 +535,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ranks", type=int, nargs="+", default=list(RANKS))
     ap.add_argument("--items-per-rank", type=int, default=FULL_MODEL_ITEMS,
                     help=f"sharded entries per rank (default {FULL_MODEL_ITEMS}: the whole 7B model)")
-    ap.add_argument("--max-items", type=int, default=4_000_000,
-                    help="cut items per rank where ranks x items would exceed this (memory)")
+    ap.add_argument("--max-items", type=int, default=3_500_000,
+                    help="cut items per rank where the checkpoint would hold more records than this (memory)")
     ap.add_argument("--writers", default="stock,nvdcp")
     ap.add_argument("--dir", default="/tmp/nvdcp-scale-sim")
     ap.add_argument("--dcp", action="store_true", help="also time DCP's own dedup and global plan")

@@ -8,8 +8,8 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from itertools import repeat
-from operator import attrgetter, mul, or_
+from itertools import compress, repeat
+from operator import attrgetter, eq, getitem, mul, not_, or_
 from typing import Any
 
 import torch
@@ -108,28 +108,77 @@ class Report:
 
     @staticmethod
     def _totals(report: Report, metadata: Any) -> Report:
-        from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
         records = metadata.storage_data or {}
-        raw_of: dict[tuple[Any, Any], int] = {}  # (fqn, offsets) -> raw bytes of that chunk
-        for fqn, md in metadata.state_dict_metadata.items():
-            if isinstance(md, BytesStorageMetadata):
-                continue
-            element_size = torch.empty((), dtype=md.properties.dtype).element_size()
-            offsets = list(map(attrgetter("offsets"), md.chunks))  # torch.Size: hashes as a tuple
-            raws = list(map(mul, map(math.prod, map(attrgetter("sizes"), md.chunks)), repeat(element_size)))
-            try:
-                table = dict(zip(zip(repeat(fqn), offsets), raws))
-            except TypeError:  # offsets as lists (not as DCP builds them)
-                offsets = list(map(tuple, offsets))
-                table = dict(zip(zip(repeat(fqn), offsets), raws))
-            if len(table) < len(offsets):  # chunks sharing offsets: the first one counts
-                table = dict(zip(zip(repeat(fqn), reversed(offsets)), reversed(raws)))
-            raw_of.update(table)
-            if () in offsets:  # a record without offsets (None) matches a chunk at () as well
-                raw_of[(fqn, None)] = raws[offsets.index(())]
         keys, lengths = list(records), list(map(attrgetter("length"), records.values()))
-        raws = list(map(raw_of.get, zip(map(attrgetter("fqn"), keys), map(attrgetter("offset"), keys)), lengths))
-        report.raw_bytes, report.stored_bytes = sum(raws), sum(lengths)
-        report.items = sum(map(bool, map(or_, raws, lengths)))
+        totals = _totals_by_hint(metadata.state_dict_metadata, keys, lengths)
+        if totals is None:
+            totals = _totals_by_table(metadata.state_dict_metadata, keys, lengths)
+        report.raw_bytes, report.items = totals
+        report.stored_bytes = sum(lengths)
         return report
+
+
+def _element_sizes(sdm: dict[str, Any]) -> dict[str, int]:
+    """Element size of every tensor in ``state_dict_metadata``, by fqn (bytes items left out)."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    by_dtype: dict[Any, int] = {}
+    sizes = {}
+    for fqn, md in sdm.items():
+        if not isinstance(md, BytesStorageMetadata):
+            dtype = md.properties.dtype
+            if dtype not in by_dtype:
+                by_dtype[dtype] = torch.empty((), dtype=dtype).element_size()
+            sizes[fqn] = by_dtype[dtype]
+    return sizes
+
+
+def _totals_by_hint(sdm: dict[str, Any], keys: list[Any], lengths: list[int]) -> tuple[int, int] | None:
+    """Raw bytes and item count through DCP's index hints (``MetadataIndex.index``: the chunk's
+    place in its tensor's list), in record order, which on the coordinator is the order the
+    objects sit in memory. None unless it is exact: every tensor record's hinted chunk has its
+    offsets, and there are as many tensor records as chunks. Records are distinct (fqn, offsets),
+    so each then has a chunk of its own and every chunk is some record's: the only chunk at
+    those offsets, the one :func:`_totals_by_table` finds."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    element_size = _element_sizes(sdm)
+    chunk_lists = {fqn: sdm[fqn].chunks for fqn in element_size}
+    try:
+        if keys and set(map(type, keys)) != {MetadataIndex}:
+            return None
+        fqns = list(map(attrgetter("fqn"), keys))
+        is_tensor = list(map(chunk_lists.__contains__, fqns))
+        tensor_keys, tensor_fqns = list(compress(keys, is_tensor)), list(compress(fqns, is_tensor))
+        if len(tensor_keys) != sum(map(len, chunk_lists.values())):
+            return None
+        chunks = list(map(getitem, map(chunk_lists.__getitem__, tensor_fqns), map(attrgetter("index"), tensor_keys)))
+        if not all(map(eq, map(attrgetter("offsets"), chunks), map(attrgetter("offset"), tensor_keys))):
+            return None
+        raws = list(map(mul, map(math.prod, map(attrgetter("sizes"), chunks)), map(element_size.__getitem__, tensor_fqns)))
+    except (TypeError, IndexError, AttributeError, KeyError):  # no hints, or not as DCP builds them
+        return None
+    others = list(compress(lengths, map(not_, is_tensor)))  # bytes items, unknown fqns: their length
+    items = sum(map(bool, map(or_, raws, compress(lengths, is_tensor)))) + sum(map(bool, others))
+    return sum(raws) + sum(others), items
+
+
+def _totals_by_table(sdm: dict[str, Any], keys: list[Any], lengths: list[int]) -> tuple[int, int]:
+    """Raw bytes and item count through a table of every chunk by (fqn, offsets)."""
+    raw_of: dict[tuple[Any, Any], int] = {}  # (fqn, offsets) -> raw bytes of that chunk
+    for fqn, element_size in _element_sizes(sdm).items():
+        chunks = sdm[fqn].chunks
+        offsets = list(map(attrgetter("offsets"), chunks))  # torch.Size: hashes as a tuple
+        raws = list(map(mul, map(math.prod, map(attrgetter("sizes"), chunks)), repeat(element_size)))
+        try:
+            table = dict(zip(zip(repeat(fqn), offsets), raws))
+        except TypeError:  # offsets as lists (not as DCP builds them)
+            offsets = list(map(tuple, offsets))
+            table = dict(zip(zip(repeat(fqn), offsets), raws))
+        if len(table) < len(offsets):  # chunks sharing offsets: the first one counts
+            table = dict(zip(zip(repeat(fqn), reversed(offsets)), reversed(raws)))
+        raw_of.update(table)
+        if () in offsets:  # a record without offsets (None) matches a chunk at () as well
+            raw_of[(fqn, None)] = raws[offsets.index(())]
+    raws = list(map(raw_of.get, zip(map(attrgetter("fqn"), keys), map(attrgetter("offset"), keys)), lengths))
+    return sum(raws), sum(map(bool, map(or_, raws, lengths)))

@@ -17,6 +17,8 @@ def test_model_and_shards() -> None:
     assert len(scale_sim.model_entries(1000)[0]) == 1000  # more items: more layers
     # torch.chunk's split: 4096 rows over 16,384 ranks leaves the last 12,288 empty
     assert scale_sim.shard(4096, 16384, 4095) == (4095, 1) and scale_sim.shard(4096, 16384, 9000) == (4096, 0)
+    assert scale_sim.total_items(16384, 873) == 4_975_512  # the whole model: ~304 records per rank
+    assert scale_sim.plan_sizes([64, 16384], 873, 3_500_000) == [(64, 873), (16384, 614)]
     plans = [scale_sim.local_plan(r, 8, [("t", (5, 2))], []) for r in range(8)]
     # rank 0 also keeps the 12 param_groups entries; one empty shard kept, by rank 5
     assert [len(p.items) for p in plans] == [13, 1, 1, 1, 1, 1, 0, 0]
@@ -33,7 +35,7 @@ def test_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert rows.keys() == {"stock", "nvdcp"}
     for row in rows.values():
         # 6 ranks x 20 shards (of 7 parameters: 7 steps), 12 param_groups entries
-        assert row["items"] == 6 * 20 + 7 + 12 and row["data files"] == 6
+        assert row["items"] == 6 * 20 + 7 + 12 == scale_sim.total_items(6, 20) and row["data files"] == 6
         assert row[".metadata bytes"] > 10_000 and row["coordinator s"] > 0 and row["read_metadata s"] > 0
     assert rows["nvdcp"]["commit check s"] is not None
     loads = [r for r in payload["records"] if r["side"] == "load"]

@@ -48,6 +48,9 @@ METADATA_NAME = ".metadata"
 #: Largest ``.metadata`` read. DCP's pickle takes about 200 bytes per item: a 7B model's FSDP2
 #: save on 16,384 ranks (14.3 million items) is 2.8 GB, past the 2 GiB this was (docs/SCALE.md).
 MAX_METADATA_BYTES = 1 << 34
+#: Above this ``.metadata`` size (about 80k items), :func:`load_metadata` runs one full garbage
+#: collection after unpickling with the collector paused.
+COLLECT_AFTER_BYTES = 16 << 20
 #: Largest offset or length a storage record may hold (S3 objects stop at 5 TiB).
 MAX_RECORD_BYTES = 1 << 62
 
@@ -152,6 +155,7 @@ def load_metadata(storage: Storage, *, allow_paths: bool = False) -> Metadata:
     if len(blob) > MAX_METADATA_BYTES:
         raise CorruptCheckpointError(f"{where}: {len(blob)} bytes is implausibly large")
     check_memo_indices(blob, where)
+    collect = gc.isenabled() and len(blob) >= COLLECT_AFTER_BYTES
     with gc_paused():
         try:
             unpickler = _StockMetadataUnpickler if allow_paths else _MetadataUnpickler
@@ -161,6 +165,11 @@ def load_metadata(storage: Storage, *, allow_paths: bool = False) -> Metadata:
         if not isinstance(metadata, Metadata):
             raise CorruptCheckpointError(f"{where}: holds {type(metadata).__name__}, not Metadata")
         check_records(metadata, where)
+    if collect:
+        # The objects just built are all young: left so, the collector's next passes (two young
+        # ones, then a full one) would walk them all during whatever runs next. One full pass
+        # now costs less and leaves them old (docs/SCALE.md).
+        gc.collect()
     return metadata
 
 
@@ -221,21 +230,29 @@ _SKIP = _skip_table()
 
 
 def _simple_run() -> re.Pattern[bytes]:
-    """A run of opcodes the scan only steps over: no argument, or a fixed-size one (all but
-    ``STOP`` and ``LONG_BINPUT``). Matching it is :func:`check_memo_indices`'s walk done by the C
-    regex engine instead of the Python loop, which then sees only the other opcodes (strings,
-    ``STOP``...): about 3x faster on a DCP ``.metadata`` (docs/SCALE.md)."""
+    """A run of opcodes the scan only steps over: no argument, a fixed-size one (all but ``STOP``
+    and ``LONG_BINPUT``), or a one-byte count and that many bytes. Matching it is
+    :func:`check_memo_indices`'s walk done by the C regex engine instead of the Python loop, which
+    then sees only the other opcodes (``STOP``, long strings, lines...): 4x faster on a DCP
+    ``.metadata`` (docs/SCALE.md)."""
     by_size: dict[int, list[int]] = {}
     for code, step in enumerate(_SKIP):
         if step >= 0:
             by_size.setdefault(step, []).append(code)
-    alternatives = [
-        b"[" + b"".join(b"\\x%02x" % c for c in codes) + b"]" + (b".{%d}" % k if k else b"")
-        for k, codes in sorted(by_size.items())
-    ]
+    alternatives = [_byte_class(codes) + (b".{%d}" % k if k else b"") for k, codes in sorted(by_size.items())]
+    # A one-byte count, then that many bytes (SHORT_BINUNICODE: every record's fqn): one
+    # alternative per count, each starting with its literal count byte, which sre checks first.
+    counted = [code for code, step in enumerate(_SKIP) if step == -1]
+    alternatives.append(_byte_class(counted) + b"(?:" + b"|".join(
+        b"\\x%02x" % k + (b".{%d}" % k if k else b"") for k in range(256)
+    ) + b")")
     # Possessive (3.11+): never backtracks, so the engine keeps no state per opcode.
     repeat = b"*+" if sys.version_info >= (3, 11) else b"*"
     return re.compile(b"(?:" + b"|".join(alternatives) + b")" + repeat, re.DOTALL)
+
+
+def _byte_class(codes: list[int]) -> bytes:
+    return b"[" + b"".join(b"\\x%02x" % c for c in codes) + b"]"
 
 
 _SIMPLE_RUN = _simple_run()
@@ -432,7 +449,10 @@ def _tile(fqn: str, md: TensorStorageMetadata, where: str) -> list[tuple[tuple[i
     # Each step is a pass in C (map, set, sort): a 16,384-rank tensor has 16,384 chunks.
     solid = list(compress(boxes, map(all, map(itemgetter(1), boxes))))  # empty chunks overlap nothing
     corners = list(map(itemgetter(0), solid))
-    d = max(range(len(size)), key=lambda k: len(set(map(itemgetter(k), corners))), default=0)
+    # (a dimension with as many distinct starts as chunks wins: no other can have more)
+    d = 0 if size and len(set(map(itemgetter(0), corners))) == len(corners) else max(
+        range(len(size)), key=lambda k: len(set(map(itemgetter(k), corners))), default=0
+    )
     if size and len(solid) > 1:
         starts = list(map(itemgetter(d), corners))
         if not all(map(le, starts, islice(starts, 1, None))):  # not in order yet (a stable sort)
@@ -462,10 +482,11 @@ def _inside(chunks: Any, size: tuple[int, ...]) -> list[tuple[tuple[int, ...], t
     import torch
 
     try:
-        offsets = list(map(attrgetter("offsets"), chunks))
-        sizes = list(map(attrgetter("sizes"), chunks))
+        boxes = list(map(attrgetter("offsets", "sizes"), chunks))
+        offsets, sizes = list(map(itemgetter(0), boxes)), list(map(itemgetter(1), boxes))
         if not set(map(type, offsets)) | set(map(type, sizes)) <= {torch.Size, tuple}:
             offsets, sizes = list(map(tuple, offsets)), list(map(tuple, sizes))
+            boxes = list(zip(offsets, sizes))
         ndim = len(size)
         if offsets and (set(map(len, offsets)) != {ndim} or set(map(len, sizes)) != {ndim}):
             return None
@@ -477,4 +498,4 @@ def _inside(chunks: Any, size: tuple[int, ...]) -> list[tuple[tuple[int, ...], t
                 return None
     except (AttributeError, TypeError):
         return None
-    return list(zip(offsets, sizes))
+    return boxes

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from nvdcp import report as report_module
 from nvdcp.dcp import metadata_io
 from nvdcp.errors import CorruptCheckpointError
 from nvdcp.report import Report
@@ -293,10 +294,21 @@ def test_save_report_totals_unchanged() -> None:
     odd.state_dict_metadata["lst"] = _tensor((4,), [((0,), (4,))])
     odd.state_dict_metadata["lst"].chunks[0].offsets = [0]  # type: ignore[union-attr]  (a list: unhashable)
     odd.storage_data[MetadataIndex("lst", torch.Size([0]))] = _StorageInfo("x", 0, 9, DESC)
-    for md in (sample(), _sharded(50), odd):
+    wrong_hints = _sharded(8)  # hints that point at other chunks: the table decides
+    wrong_hints.storage_data = {
+        MetadataIndex(k.fqn, k.offset, None if k.index is None else (k.index + 1) % 8): v
+        for k, v in wrong_hints.storage_data.items()
+    }
+    no_hints = _sharded(8)
+    no_hints.storage_data = {MetadataIndex(k.fqn, k.offset): v for k, v in no_hints.storage_data.items()}
+    for md, by_hint in ((sample(), True), (_sharded(50), True), (odd, False), (wrong_hints, False), (no_hints, False)):
         md.storage_data[MetadataIndex("not-in-sdm")] = _StorageInfo("x", 0, 3, DESC)
         report = Report.from_metadata("save", "u", md)
         assert (report.raw_bytes, report.stored_bytes, report.items) == _report_before(md)
+        keys, lengths = list(md.storage_data), [v.length for v in md.storage_data.values()]
+        hinted = report_module._totals_by_hint(md.state_dict_metadata, keys, lengths)
+        assert (hinted is not None) == by_hint
+        assert report_module._totals_by_table(md.state_dict_metadata, keys, lengths) == (report.raw_bytes, report.items)
 
 
 def test_save_report_is_linear_in_ranks() -> None:
