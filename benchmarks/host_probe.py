@@ -1,0 +1,145 @@
+"""Host-side ceilings on a GPU machine: what the save and load pipelines can reach at best.
+
+    python -m benchmarks.host_probe [--gib 2] [--out DIR]
+
+Measures, on the same bytes: host CRC32C of 64 KiB chunks (native batched library at 1, 4 and
+all threads; the ``crc32c`` package), pinned device-to-host and host-to-device copies, writes of
+a pinned buffer to /dev/shm (one file and four in parallel threads) and reads back, and whether
+Triton compiles a kernel here. These bound nvdcp's GB/s of stored bytes: a save cannot beat
+``min(D2H, CRC, write)`` unless the stages overlap. Writes ``host_probe_<date>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from benchmarks.common import write_results
+
+GiB = 1 << 30
+
+
+def _best(fn: Any, repeats: int = 3) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def crc_rates(buf: np.ndarray) -> dict[str, float]:
+    from nvdcp.format import crc
+
+    chunk = 64 << 10
+    offsets = np.arange(0, buf.size, chunk, dtype=np.int64)
+    lengths = np.minimum(chunk, buf.size - offsets)
+    out = {}
+    if crc.native_available():
+        for threads in (1, 4, os.cpu_count() or 1):
+            out[f"native_t{threads}"] = buf.size / _best(lambda: crc.checksum_ranges(buf, offsets, lengths, threads)) / 1e9
+    import crc32c
+
+    small = buf[: 256 << 20]
+    out["crc32c_package_t1"] = small.size / _best(lambda: crc32c.crc32c(small.data)) / 1e9
+    return out
+
+
+def copy_rates(nbytes: int) -> dict[str, float]:
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    torch.cuda.synchronize()
+
+    def d2h() -> None:
+        host.copy_(dev, non_blocking=True)
+        torch.cuda.synchronize()
+
+    def h2d() -> None:
+        dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+
+    return {"d2h_pinned": nbytes / _best(d2h) / 1e9, "h2d_pinned": nbytes / _best(h2d) / 1e9}
+
+
+def file_rates(buf: np.ndarray, where: str) -> dict[str, float]:
+    os.makedirs(where, exist_ok=True)
+    view = memoryview(buf)
+
+    def write(parts: int) -> None:
+        step = -(-buf.size // parts)
+
+        def one(i: int) -> None:
+            with open(os.path.join(where, f"p{i}"), "wb", buffering=0) as f:
+                f.write(view[i * step : (i + 1) * step])
+
+        with ThreadPoolExecutor(parts) as pool:
+            list(pool.map(one, range(parts)))
+
+    def read(parts: int) -> None:
+        step = -(-buf.size // parts)
+
+        def one(i: int) -> None:
+            with open(os.path.join(where, f"p{i}"), "rb", buffering=0) as f:
+                f.readinto(view[i * step : (i + 1) * step])
+
+        with ThreadPoolExecutor(parts) as pool:
+            list(pool.map(one, range(parts)))
+
+    out = {}
+    for parts in (1, 4, 8):
+        out[f"write_t{parts}"] = buf.size / _best(lambda: write(parts)) / 1e9
+        out[f"read_t{parts}"] = buf.size / _best(lambda: read(parts)) / 1e9
+        for name in os.listdir(where):
+            os.remove(os.path.join(where, name))
+    return out
+
+
+def triton_check() -> dict[str, Any]:
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError as exc:
+        return {"available": False, "error": str(exc)}
+
+    @triton.jit
+    def xor_one(x_ptr, n, BLOCK: tl.constexpr):  # noqa: ANN001
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=mask) ^ 1, mask=mask)
+
+    x = torch.zeros(1 << 20, dtype=torch.int32, device="cuda")
+    t0 = time.perf_counter()
+    xor_one[(x.numel() // 1024,)](x, x.numel(), BLOCK=1024)
+    torch.cuda.synchronize()
+    return {"available": True, "version": triton.__version__, "first_compile_s": time.perf_counter() - t0,
+            "ok": bool((x == 1).all())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gib", type=float, default=2.0)
+    ap.add_argument("--dir", default="/dev/shm/nvdcp-host-probe")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    nbytes = int(args.gib * GiB)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    host.random_(0, 256)
+    buf = host.numpy()
+    result: dict[str, Any] = {"bytes": nbytes, "crc_gb_per_s": crc_rates(buf)}
+    if torch.cuda.is_available():
+        result["copy_gb_per_s"] = copy_rates(nbytes)
+        result["triton"] = triton_check()
+    result["file_gb_per_s"] = file_rates(buf, args.dir)
+    for key, value in result.items():
+        print(f"{key}: {value}")
+    print(write_results("host_probe", result, out_dir=args.out))
+
+
+if __name__ == "__main__":
+    main()
