@@ -155,12 +155,22 @@ def _totals_by_hint(sdm: dict[str, Any], keys: list[Any], lengths: list[int]) ->
         chunks = list(map(getitem, map(chunk_lists.__getitem__, tensor_fqns), map(attrgetter("index"), tensor_keys)))
         if not all(map(eq, map(attrgetter("offsets"), chunks), map(attrgetter("offset"), tensor_keys))):
             return None
-        raws = list(map(mul, map(math.prod, map(attrgetter("sizes"), chunks)), map(element_size.__getitem__, tensor_fqns)))
+        volumes = list(map(math.prod, map(attrgetter("sizes"), chunks)))
     except (TypeError, IndexError, AttributeError, KeyError):  # no hints, or not as DCP builds them
         return None
+    widths = set(element_size.values())
+    if len(widths) == 1:  # one element size (the usual case): one multiplication, not one per item
+        raws: list[int] = volumes
+        raw = sum(volumes) * widths.pop()
+    else:
+        raws = list(map(mul, volumes, map(element_size.__getitem__, tensor_fqns)))
+        raw = sum(raws)
     others = list(compress(lengths, map(not_, is_tensor)))  # bytes items, unknown fqns: their length
-    items = sum(map(bool, map(or_, raws, compress(lengths, is_tensor)))) + sum(map(bool, others))
-    return sum(raws) + sum(others), items
+    if not lengths or min(lengths) > 0:  # every record stores bytes (an nvdcp item has a header): all count
+        items = len(lengths)
+    else:
+        items = sum(map(bool, map(or_, raws, compress(lengths, is_tensor)))) + sum(map(bool, others))
+    return raw + sum(others), items
 
 
 def _totals_by_table(sdm: dict[str, Any], keys: list[Any], lengths: list[int]) -> tuple[int, int]:

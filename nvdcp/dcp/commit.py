@@ -20,7 +20,9 @@ the last save this process committed (:data:`HISTORY`) to catch stale weights sa
 
 from __future__ import annotations
 
+import copyreg
 import dataclasses
+import io
 import logging
 import pickle
 import threading
@@ -83,7 +85,7 @@ class CheckpointCommit:
             setattr(metadata, DIGEST_ATTR, digest_record(digests))
         else:
             vars(metadata).pop(DIGEST_ATTR, None)
-        blob = pickle.dumps(metadata) if stock_pickle else pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+        blob = dump_metadata(metadata, pickle.DEFAULT_PROTOCOL if stock_pickle else pickle.HIGHEST_PROTOCOL)
         self.guard.check_data_files(storage_data)
         self.storage.write_atomic(METADATA_NAME, blob)
         self.blob = blob
@@ -127,6 +129,34 @@ class CheckpointCommit:
         if token is not None:
             names.update(n for n in self.storage.list() if (m := DATA_FILE.match(n)) and m.group(1) == token)
         self.abort(sorted(names))
+
+
+# -- pickling .metadata ------------------------------------------------------------------------
+def dump_metadata(metadata: Metadata, protocol: int) -> bytes:
+    """``pickle.dumps(metadata, protocol)``, byte for byte, with less Python work per record.
+
+    torch's ``_StorageInfo.__getstate__`` (a Python call and a dict comprehension per record,
+    one record per item) is a tenth of pickling a ``.metadata``. This pickler's dispatch table
+    gives the pickler the record's own ``__dict__`` instead, when no field is None: the same
+    dict that ``__getstate__`` builds, so the bytes are the same (tests/dcp/test_commit_check.py).
+    """
+    if protocol < 2:  # NEWOBJ (what __reduce_ex__ gives) starts at protocol 2
+        return pickle.dumps(metadata, protocol)
+    out = io.BytesIO()
+    pickler = pickle.Pickler(out, protocol)
+    # Without its own table the pickler looks in copyreg's; with one, only there: copy it.
+    pickler.dispatch_table = {**copyreg.dispatch_table, _StorageInfo: _reduce_storage_info}
+    pickler.dump(metadata)
+    return out.getvalue()
+
+
+def _reduce_storage_info(info: _StorageInfo) -> Any:
+    """What ``info.__reduce_ex__(2+)`` returns, without copying the state dict when no field is
+    None (``__getstate__`` leaves those out)."""
+    state = info.__dict__
+    if None in state.values():
+        return info.__reduce_ex__(pickle.HIGHEST_PROTOCOL)  # the same for every protocol >= 2
+    return copyreg.__newobj__, (_StorageInfo,), state  # type: ignore[attr-defined]
 
 
 # -- item records with digests -----------------------------------------------------------------

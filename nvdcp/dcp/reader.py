@@ -22,6 +22,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future as PyFuture
 from concurrent.futures import ThreadPoolExecutor
@@ -50,18 +51,34 @@ from nvdcp.dcp.stock_items import (
     is_nvdcp_record,
     merge_fsspec_kwargs,
 )
-from nvdcp.errors import CorruptCheckpointError, TruncatedCheckpointError
+from nvdcp.errors import (
+    CodecUnavailableError,
+    CorruptCheckpointError,
+    FormatVersionError,
+    MissingDataFileError,
+    NvdcpError,
+    TruncatedCheckpointError,
+)
 from nvdcp.format.dtypes import code_dtype
 from nvdcp.format.header import (
     KIND_BYTES,
     KIND_TENSOR,
     ItemHeader,
     item_header_size,
+    parse_item_header,
     parse_item_header_only,
 )
 from nvdcp.gpu import gpu_available
 from nvdcp.gpu.config import GpuConfig
-from nvdcp.pipeline.cpu import decode_item
+from nvdcp.pipeline.cpu import (
+    check_crcs,
+    check_decodable,
+    chunk_starts,
+    chunk_table,
+    decode_blocks,
+    decode_item,
+    describe_chunk,
+)
 from nvdcp.pipeline.tensors import tensor_nbytes
 from nvdcp.report import Report
 from nvdcp.storage import Storage, open_storage
@@ -194,6 +211,8 @@ class NvcompReader(StorageReader):
         self._decoders = threading.local()
         #: (fqn, chunk offsets) -> (dtype, chunk shape), built from .metadata on first use
         self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]] | None = None
+        #: descriptor tuples already checked (see _check_descriptor)
+        self._good_descriptors: set[Any] = set()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -204,6 +223,7 @@ class NvcompReader(StorageReader):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._decoders = threading.local()
+        self.__dict__.setdefault("_good_descriptors", set())
 
     def _codec_pool(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -243,12 +263,16 @@ class NvcompReader(StorageReader):
         by_item: dict[MetadataIndex, list[ReadItem]] = {}
         for req in plan.items:
             by_item.setdefault(req.storage_index, []).append(req)
-        stock = {ix for ix in by_item if not is_nvdcp_record(self._record(ix))}
-        devices = {
-            index: None if index in stock else self._decode_device(reqs, planner) for index, reqs in by_item.items()
-        }
+        records = {index: self._record(index) for index in by_item}
+        stock = {ix for ix, info in records.items() if not is_nvdcp_record(info)}
+        if gpu_available():
+            devices = {
+                index: None if index in stock else self._decode_device(reqs, planner) for index, reqs in by_item.items()
+            }
+        else:
+            devices = dict.fromkeys(by_item)
         # Read in file order so a local disk sees sequential-ish access.
-        order = sorted(by_item, key=lambda ix: (self._record(ix).relative_path, self._record(ix).offset))
+        order = sorted(by_item, key=lambda ix: (records[ix].relative_path, records[ix].offset))
 
         def destination(index: MetadataIndex) -> torch.Tensor | None:
             """Where a whole large stock item goes, resolved just before its read is queued,
@@ -263,10 +287,15 @@ class NvcompReader(StorageReader):
                 return None
             return planner.resolve_tensor(reqs[0]).detach()
 
-        for index, header, data in self._fetch_and_decode(order, devices, stock, report, destination):
+        loads = self._fetch_and_decode(
+            order, devices, stock, report, destination, cpu=_CpuPlan(by_item, records, planner)
+        )
+        for index, header, data in loads:
             for req in by_item[index]:
                 if header is None:
                     self._commit_stock(req, data, planner)
+                elif isinstance(data, _InPlace):  # decoded straight into the planner's tensor
+                    planner.commit_tensor(req, data.target)
                 else:
                     self._commit(req, header, data, planner)
         report.seconds = time.perf_counter() - started
@@ -352,7 +381,14 @@ class NvcompReader(StorageReader):
         if not gpu_available() or reqs[0].type == LoadItemType.BYTE_IO:
             return None
         target = planner.resolve_tensor(reqs[0])
+        targets = _GPU_TARGETS.setdefault(self, {})
+        targets.pop(reqs[0].storage_index, None)
         if target.is_cuda:
+            # One request for the whole stored tensor: decode straight into it (see _gpu_batches).
+            _, shape = self._expected(reqs[0].storage_index)
+            if len(reqs) == 1 and shape is not None and not any(reqs[0].storage_offsets) \
+                    and tuple(reqs[0].lengths) == shape:
+                targets[reqs[0].storage_index] = target.detach()
             return target.device
         if self.gpu.decode_device == "cpu":
             return None
@@ -400,30 +436,101 @@ class NvcompReader(StorageReader):
 
     @_rereads
     def _load_gpu_batch(
-        self, indexes: list[MetadataIndex], device: torch.device, report: Report
-    ) -> list[tuple[MetadataIndex, ItemHeader, torch.Tensor]]:
-        """Fetch and verify several items on the host, then decode them together on ``device``."""
+        self, indexes: list[MetadataIndex], device: torch.device, report: Report,
+        targets: Sequence[torch.Tensor | None] | None = None,
+    ) -> list[tuple[MetadataIndex, ItemHeader, Any]]:
+        """Fetch and check several items' headers on the host, then read their chunks into pinned
+        staging and copy, check (CRC32C) and decode them together on ``device``, in overlapped passes.
+
+        ``targets[i]`` (optional): the planner's tensor for item ``i`` when one request wants the
+        whole stored tensor, resolved by the caller. When it is a contiguous tensor on ``device``
+        of the stored dtype and shape, the item is decoded straight into it and comes back as
+        ``_InPlace(target)`` (only the commit is left); otherwise as a flat uint8 CUDA tensor.
+        """
         from nvdcp.gpu.decoder import DecodeRequest
 
+        if targets is None and isinstance(indexes, _GpuBatch):
+            targets = indexes.targets
+
+        def flat_target(target: torch.Tensor | None, dtype: torch.dtype | None, shape: tuple[int, ...] | None,
+                        raw_nbytes: int) -> torch.Tensor | None:
+            if target is None or type(target) is not torch.Tensor or target.dtype != dtype or shape is None:
+                return None
+            if target.device != device or tuple(target.shape) != shape or not target.is_contiguous():
+                return None
+            if target.is_conj() or target.is_neg():
+                return None
+            try:
+                flat = target.reshape(-1).view(torch.uint8)
+            except RuntimeError:
+                return None
+            return flat if flat.numel() == raw_nbytes else None
+
         requests = []
+        placed: list[torch.Tensor | None] = []
         t0 = time.perf_counter()
         stored = 0
-        for index in indexes:
-            name, offset, length = self.record_of(index)
+        places = [self.record_of(index) for index in indexes]
+        # Small records come in one read per run of nearby records (two opens and reads per item
+        # cost more than decoding it); large ones read their header, then their chunks straight
+        # into pinned staging.
+        in_memory = self._read_record_runs(places)
+        for i, index in enumerate(indexes):
+            name, offset, length = places[i]
             where = self.where(index)
-            header = self._read_header(name, offset, length, where)
+            rec = in_memory[i]
+            payload = None
+            if rec is not None:
+                header = _header_in(rec, where)
+                payload = np.frombuffer(rec, dtype=np.uint8)[header.header_bytes :]
+            else:
+                header = self._read_header(name, offset, length, where)
             stored += length
             dtype, shape = self._expected(index)
             element_size = _element_size(dtype)
             if header.transform and header.n_planes != element_size:
                 raise CorruptCheckpointError(f"{where}: {header.n_planes} byte planes for {element_size}-byte elements")
             self._check_against_metadata(header, dtype, shape, element_size, where)
-            requests.append(DecodeRequest(header, dtype, where, fill=self._chunk_filler(name, offset, header)))
+            target = targets[i] if targets is not None else None
+            out = flat_target(target, dtype, shape, header.raw_nbytes) if target is not None else None
+            placed.append(target if out is not None else None)
+            fill = None if payload is not None else self._chunk_filler(name, offset, header)
+            requests.append(DecodeRequest(header, dtype, where, payload=payload, fill=fill, out=out))
         t1 = time.perf_counter()
+        # reads, host-to-device copies, checks and decodes of the batch's passes overlap (GpuDecoder)
         outs = self._gpu_decoder(device).decode_many(requests)
         raw = sum(r.header.raw_nbytes for r in requests)
         report.add(raw, stored, read_s=t1 - t0, decode_s=time.perf_counter() - t1)
-        return [(ix, r.header, out) for ix, r, out in zip(indexes, requests, outs)]
+        return [
+            (ix, r.header, _InPlace(target) if target is not None else out)
+            for ix, r, out, target in zip(indexes, requests, outs, placed)
+        ]
+
+    def _read_record_runs(self, places: list[tuple[str, int, int]]) -> list[memoryview | None]:
+        """Records of at most ``RUN_RECORD_BYTES`` read in runs: one read per stretch of a file
+        where they lie within ``RUN_GAP_BYTES`` of each other (up to ``RUN_BYTES``). None for the
+        others, and for records of a run whose read failed (read alone, their errors name them)."""
+        out: list[memoryview | None] = [None] * len(places)
+        small = sorted((p[0], p[1], i) for i, p in enumerate(places) if p[2] <= RUN_RECORD_BYTES)
+        k = 0
+        while k < len(small):
+            name, start, _ = small[k]
+            end = start + places[small[k][2]][2]
+            j = k + 1
+            while j < len(small) and small[j][0] == name and small[j][1] - end <= RUN_GAP_BYTES \
+                    and small[j][1] + places[small[j][2]][2] - start <= RUN_BYTES:
+                end = max(end, small[j][1] + places[small[j][2]][2])
+                j += 1
+            if j - k > 1:
+                try:
+                    buf = memoryview(self.storage.read_range(name, start, end - start)).cast("B")
+                except (OSError, NvdcpError):
+                    buf = None
+                if buf is not None:
+                    for _, off, i in small[k:j]:
+                        out[i] = buf[off - start : off - start + places[i][2]]
+            k = j
+        return out
 
     def _read_header(self, name: str, offset: int, length: int, where: str) -> ItemHeader:
         """Fetch and validate just an item's header (the GPU path reads chunks straight into staging)."""
@@ -459,10 +566,13 @@ class NvcompReader(StorageReader):
         """Group GPU-decoded items into batches whose stored size fits half a thread's budget."""
         batches: list[tuple[torch.device, list[MetadataIndex]]] = []
         open_: dict[torch.device, tuple[list[MetadataIndex], int]] = {}
+        limits: dict[torch.device, int] = {}  # gpu_budget asks the driver: once per device, not per item
         for index in order:
             device = devices[index]
             assert device is not None
-            limit = self.gpu.gpu_budget(device) // (2 * self.thread_count)
+            if device not in limits:
+                limits[device] = self.gpu.gpu_budget(device) // (2 * self.thread_count)
+            limit = limits[device]
             size = self.record_of(index)[2]
             items, total = open_.get(device, ([], 0))
             if items and (total + size > limit or len(items) >= MAX_GPU_BATCH_ITEMS):
@@ -470,7 +580,10 @@ class NvcompReader(StorageReader):
                 items, total = [], 0
             open_[device] = ([*items, index], total + size)
         batches += [(device, items) for device, (items, _) in open_.items() if items]
-        return batches
+        # Destinations _decode_device found for whole tensors ride with their batch (and are
+        # forgotten here: a later load never sees them).
+        found = _GPU_TARGETS.pop(self, {})
+        return [(device, _GpuBatch(items, [found.get(ix) for ix in items])) for device, items in batches]
 
     @staticmethod
     def _check_against_metadata(
@@ -497,16 +610,22 @@ class NvcompReader(StorageReader):
         self, order: list[MetadataIndex], devices: dict[MetadataIndex, torch.device | None],
         stock: set[MetadataIndex], report: Report,
         destination: Callable[[MetadataIndex], torch.Tensor | None] = lambda index: None,
+        cpu: _CpuPlan | None = None,
     ) -> Iterator[tuple[MetadataIndex, ItemHeader | None, Any]]:
-        """Run item loads (CPU, stock items too) and batch loads (GPU) on the I/O pool, a bounded
+        """Run batch loads (CPU nvdcp items, stock items, GPU batches) on the I/O pool, a bounded
         window ahead. A stock item comes with header None and a :class:`_StockLoaded`; its
-        ``destination`` is resolved (on this thread) when its read is queued."""
-        tasks: list[Callable[[], Sequence[tuple[MetadataIndex, ItemHeader | None, Any]]] | _StockRun] = []
+        ``destination`` is resolved (on this thread) when its read is queued; so are the
+        destinations of CPU items (``cpu``), whose results are :class:`_InPlace` when they were
+        decoded straight into them."""
+        cpu = cpu or _CpuPlan({}, {}, None)
+        tasks: list[Callable[[], Sequence[tuple[MetadataIndex, ItemHeader | None, Any]]] | _StockRun | _CpuBatch] = []
         # Consecutive stock items go as one task, up to a few MiB: small items are often many.
         run: list[MetadataIndex] = []
         run_bytes = 0
+        batcher = _CpuBatcher(tasks)
         for index in order:
             if index in stock:
+                batcher.flush()
                 run.append(index)
                 run_bytes += self._record(index).length
                 if run_bytes < STOCK_BATCH_BYTES and len(run) < STOCK_BATCH_ITEMS:
@@ -515,9 +634,17 @@ class NvcompReader(StorageReader):
                 tasks.append(_StockRun(run, self._inline(run, run_bytes)))
                 run, run_bytes = [], 0
             if index not in stock and devices[index] is None:
-                tasks.append(functools.partial(self._load_cpu_task, index, report))
+                batcher.add(self._cpu_item(index, cpu))
+        batcher.flush()
         if run:
             tasks.append(_StockRun(run, self._inline(run, run_bytes)))
+        # Destinations of CPU items are views of the state dict: resolve them all before any
+        # thread starts, since each torch call releases the GIL and, next to busy decoding
+        # threads, waits to get it back (measured: 40 us a call instead of 1).
+        for task in tasks:
+            if isinstance(task, _CpuBatch):
+                for item in task.items:
+                    cpu.resolve(item)
         for device, batch in self._gpu_batches([ix for ix in order if devices[ix] is not None], devices):
             tasks.append(functools.partial(self._load_gpu_batch, batch, device, report))
         window = READ_WINDOW_PER_THREAD * self.thread_count
@@ -529,6 +656,8 @@ class NvcompReader(StorageReader):
                         targets = [destination(index) for index in task.indexes]
                         fn = functools.partial(self._load_stock_run, task.indexes, targets, report)
                         pending.append(_Deferred(fn) if task.inline else io_pool.submit(fn))
+                    elif isinstance(task, _CpuBatch):
+                        pending.append(io_pool.submit(self._load_cpu_batch, task, report))
                     else:
                         pending.append(io_pool.submit(task))
                     if len(pending) >= window:
@@ -538,6 +667,140 @@ class NvcompReader(StorageReader):
             finally:
                 for fut in pending:
                     fut.cancel()
+
+    # -- the CPU path: batches of records, checked and decoded into their destinations --------
+    def _cpu_item(self, index: MetadataIndex, plan: _CpuPlan) -> _CpuItem:
+        """What the CPU path needs of one nvdcp item, its ``.metadata`` record checked."""
+        info = plan.records.get(index) or self._record(index)
+        self._check_descriptor(info, index)
+        dtype, shape = self._expected(index)
+        reqs = plan.by_item.get(index, [])
+        whole = (
+            len(reqs) == 1 and reqs[0].type == LoadItemType.TENSOR and dtype is not None and shape is not None
+            and not any(reqs[0].storage_offsets) and tuple(reqs[0].lengths) == shape
+        )
+        return _CpuItem(index, info.relative_path, info.offset, info.length, dtype, shape,
+                        _element_size(dtype), reqs[0] if whole else None)
+
+    def _check_descriptor(self, info: _StorageInfo, index: MetadataIndex) -> None:
+        """:func:`descriptor.parse`'s checks, parsing each distinct descriptor tuple once (every
+        item of a save shares one)."""
+        offset, length, descs = info.offset, info.length, info.transform_descriptors
+        try:
+            known = descs in self._good_descriptors
+        except TypeError:  # unhashable junk: let parse name it
+            known = False
+        if known and type(offset) is int and type(length) is int and offset >= 0 and length >= 0:
+            return
+        descriptor.parse(info, f"{self.storage.url} item {describe_index(index)}")
+        self._good_descriptors.add(descs)
+
+    @_rereads
+    def _load_cpu_batch(
+        self, batch: _CpuBatch, report: Report
+    ) -> list[tuple[MetadataIndex, ItemHeader | None, Any]]:
+        """Read consecutive records with one call, check their headers, then every chunk's CRC32C
+        in one batched call, then decode each into its destination (or a fresh buffer)."""
+        if batch.segment is not None:
+            return self._load_cpu_segment(batch.items[0], *batch.segment, report)
+        items = batch.items
+        start = items[0].offset
+        t0 = time.perf_counter()
+        with _naming_item(_LazyWhere(self, items[0].index)):
+            buf = self._read_bytes(items[0].name, start, batch.end - start)
+        t1 = time.perf_counter()
+        parsed = [self._parse_in_batch(item, buf, item.offset - start) for item in items]
+        counts = [len(p[1]) for p in parsed]
+        if sum(counts):
+            sizes = np.concatenate([p[1] for p in parsed])
+            check_crcs(buf, np.concatenate([p[2] for p in parsed]), sizes, np.concatenate([p[3] for p in parsed]),
+                       functools.partial(self._name_chunk, items, parsed, np.cumsum(counts)), threads=1)
+        results: list[tuple[MetadataIndex, ItemHeader | None, Any]] = []
+        raw = 0
+        for item, (header, sizes_i, starts_i, _) in zip(items, parsed):
+            out = item.out if item.out is not None else np.empty(header.raw_nbytes, dtype=np.uint8)
+            try:
+                decode_blocks(header, buf, starts_i.tolist(), sizes_i.tolist(), out, range(header.n_blocks), "")
+            except (CorruptCheckpointError, CodecUnavailableError) as exc:
+                raise _named(exc, self.where(item.index)) from exc.__cause__
+            raw += header.raw_nbytes
+            results.append((item.index, header, _InPlace(item.target) if item.target is not None else out))
+        report.add(raw, int(buf.size), read_s=t1 - t0, decode_s=time.perf_counter() - t1)
+        return results
+
+    def _parse_in_batch(
+        self, item: _CpuItem, buf: np.ndarray, at: int
+    ) -> tuple[ItemHeader, np.ndarray, np.ndarray, np.ndarray]:
+        """One record of a batch: its header parsed and checked (against its bytes, ``.metadata``
+        and what this machine decodes), its chunk sizes, offsets in ``buf`` and CRC32Cs."""
+        record = buf[at : at + item.length].data
+        try:
+            header = parse_item_header(record, "")
+            check_decodable(header, item.element_size, "")
+            self._check_against_metadata(header, item.dtype, item.shape, item.element_size, "")
+            if item.out is not None and item.out.size != header.raw_nbytes:
+                raise CorruptCheckpointError(f": {header.raw_nbytes} stored bytes for a {item.out.size}-byte destination")
+        except (CorruptCheckpointError, CodecUnavailableError, FormatVersionError) as exc:
+            raise _named(exc, self.where(item.index)) from exc.__cause__
+        sizes, crcs = chunk_table(record, header)
+        return header, sizes, chunk_starts(sizes, at + header.header_bytes), crcs
+
+    def _read_bytes(self, name: str, offset: int, length: int) -> np.ndarray:
+        """``length`` bytes at ``offset``; from a local file into this thread's reused buffer (no
+        fresh pages to fault in per read) when they fit one part, else as the storage returns them.
+        The result is only valid until this thread's next read."""
+        if length > READ_BUFFER_BYTES or not isinstance(self.storage, LocalStorage):
+            return np.frombuffer(self.storage.read_range(name, offset, length), dtype=np.uint8)
+        scratch: np.ndarray | None = getattr(self._decoders, "read_buffer", None)
+        if scratch is None or scratch.size < length:
+            # one size for every thread's buffer: about the largest part (bounded memory)
+            scratch = self._decoders.read_buffer = np.empty(READ_BUFFER_BYTES, dtype=np.uint8)
+        buf = scratch[:length]
+        self.storage.read_into(name, offset, [buf.data])
+        return buf
+
+    def _name_chunk(
+        self, items: list[_CpuItem], parsed: list[tuple[ItemHeader, Any, Any, Any]], ends: np.ndarray, i: int
+    ) -> str:
+        k = int(np.searchsorted(ends, i, side="right"))
+        first = int(ends[k - 1]) if k else 0
+        return describe_chunk(self.where(items[k].index), i - first, parsed[k][0].n_planes)
+
+    def _load_cpu_segment(
+        self, item: _CpuItem, k: int, parts: int, report: Report
+    ) -> list[tuple[MetadataIndex, ItemHeader | None, Any]]:
+        """Part ``k`` of ``parts`` of a large record: its header (read again by every part, a
+        few KiB), then only this part's blocks, read, checked and decoded into the item's
+        destination, so a large item never needs a second full-size buffer."""
+        where = self.where(item.index)
+        t0 = time.perf_counter()
+        header = self._read_header(item.name, item.offset, item.length, where)
+        check_decodable(header, item.element_size, where)
+        self._check_against_metadata(header, item.dtype, item.shape, item.element_size, where)
+        assert item.out is not None  # the segmented items' destinations are resolved at submission
+        if item.out.size != header.raw_nbytes:
+            raise CorruptCheckpointError(f"{where}: {header.raw_nbytes} stored bytes for a {item.out.size}-byte destination")
+        n, nb = header.n_planes, header.n_blocks
+        blocks = range(k * nb // parts, (k + 1) * nb // parts)
+        stored = 0
+        if blocks:
+            table = np.asarray(header.chunks, dtype=np.int64).reshape(-1, 2)
+            sizes, crcs = table[:, 0], table[:, 1].astype(np.uint32)
+            starts = chunk_starts(sizes)
+            c0, c1 = blocks.start * n, blocks.stop * n
+            lo, hi = int(starts[c0]), int(starts[c1 - 1] + sizes[c1 - 1])
+            with _naming_item(where):
+                buf = self._read_bytes(item.name, item.offset + header.header_bytes + lo, hi - lo)
+            t1 = time.perf_counter()
+            starts -= lo
+            check_crcs(buf, starts[c0:c1], sizes[c0:c1], crcs[c0:c1], lambda i: describe_chunk(where, c0 + i, n), threads=1)
+            decode_blocks(header, buf, starts.tolist(), sizes.tolist(), item.out, blocks, where)
+            stored = hi - lo
+            report.add(sum(header.block_elements(b) for b in blocks) * n, stored,
+                       read_s=t1 - t0, decode_s=time.perf_counter() - t1)
+        if k < parts - 1:
+            return []
+        return [(item.index, header, _InPlace(item.target) if item.target is not None else item.out)]
 
     def _load_cpu_task(self, index: MetadataIndex, report: Report) -> list[tuple[MetadataIndex, ItemHeader | None, Any]]:
         header, raw = self.load_item(index, report)
@@ -599,6 +862,37 @@ class NvcompReader(StorageReader):
         planner.commit_tensor(req, target)
 
 
+#: GPU batches read records up to this size in runs (see NvcompReader._read_record_runs).
+RUN_RECORD_BYTES = 1 << 20
+RUN_GAP_BYTES = 64 << 10
+RUN_BYTES = 64 << 20
+
+
+def _header_in(rec: memoryview, where: str) -> ItemHeader:
+    """An in-memory record's header, checked as ``NvcompReader._read_header`` checks it."""
+    size = item_header_size(rec[:HEADER_PREFIX_BYTES], where)
+    if size > len(rec):
+        raise CorruptCheckpointError(f"{where}: header of {size} bytes in a record of {len(rec)}")
+    header = parse_item_header_only(rec, where)
+    if header.header_bytes + header.stored_nbytes != len(rec):
+        raise CorruptCheckpointError(
+            f"{where}: chunks hold {header.stored_nbytes} bytes, record has {len(rec) - header.header_bytes}"
+        )
+    return header
+
+
+class _GpuBatch(list):  # type: ignore[type-arg]
+    """A GPU batch's indexes, with each item's destination tensor (None: decoded to a new tensor)."""
+
+    def __init__(self, indexes: list[MetadataIndex], targets: list[torch.Tensor | None]) -> None:
+        super().__init__(indexes)
+        self.targets = targets
+
+
+#: Per reader: whole-tensor GPU destinations found by ``_decode_device`` for the current read_data.
+_GPU_TARGETS: weakref.WeakKeyDictionary[NvcompReader, dict[MetadataIndex, torch.Tensor]] = weakref.WeakKeyDictionary()
+
+
 @dataclasses.dataclass
 class _StockRun:
     """Consecutive stock items, loaded by one I/O task (``inline``: on the calling thread)."""
@@ -629,8 +923,151 @@ class _StockLoaded:
     target: torch.Tensor | None
 
 
+#: A CPU task reads consecutive records of one file up to this many bytes with one call, and
+#: checks all their chunks' CRC32Cs with one batched call: per-item cost stays a few microseconds.
+CPU_BATCH_BYTES = 4 << 20
+CPU_BATCH_ITEMS = 1024
+#: Records larger than this are loaded in parts of about this many stored bytes, each part its
+#: own task: parts decode in parallel and memory stays ``window x part``, whatever the item size.
+CPU_SEGMENT_BYTES = 8 << 20
+#: Each I/O thread reads local batches and parts into one reused buffer of this size (a part
+#: may run a block past CPU_SEGMENT_BYTES).
+READ_BUFFER_BYTES = CPU_SEGMENT_BYTES + (1 << 20)
+#: Bytes between two records of a batch (items this load does not need) read through rather
+#: than starting another read.
+CPU_MAX_GAP = 64 << 10
+
+
+@dataclasses.dataclass(eq=False)
+class _CpuItem:
+    """One nvdcp item the CPU path decodes: where it is, what ``.metadata`` says it holds, and
+    (``req``) its one request when that wants the whole stored tensor, so it may be decoded
+    straight into the planner's tensor (``target``; ``out`` its bytes)."""
+
+    index: MetadataIndex
+    name: str
+    offset: int
+    length: int
+    dtype: torch.dtype | None
+    shape: tuple[int, ...] | None
+    element_size: int
+    req: ReadItem | None
+    parts: int = 1
+    resolved: bool = False
+    target: torch.Tensor | None = None
+    out: np.ndarray | None = None
+
+
+@dataclasses.dataclass
+class _CpuBatch:
+    """Consecutive records of one file ending at ``end``, or (``segment`` = (k, parts)) part k
+    of one large record."""
+
+    items: list[_CpuItem]
+    end: int
+    segment: tuple[int, int] | None = None
+
+
+class _CpuBatcher:
+    """Groups CPU items, in file order, into :class:`_CpuBatch` tasks appended to ``tasks``."""
+
+    def __init__(self, tasks: list[Any]) -> None:
+        self.tasks = tasks
+        self.items: list[_CpuItem] = []
+        self.end = 0
+
+    def add(self, item: _CpuItem) -> None:
+        if item.length > CPU_SEGMENT_BYTES and item.dtype is not None and item.shape is not None:
+            self.flush()
+            item.parts = -(-item.length // CPU_SEGMENT_BYTES)
+            end = item.offset + item.length
+            self.tasks.extend(_CpuBatch([item], end, (k, item.parts)) for k in range(item.parts))
+            return
+        if self.items and (
+            item.name != self.items[0].name or item.offset < self.end or item.offset - self.end > CPU_MAX_GAP
+            or item.offset + item.length - self.items[0].offset > CPU_BATCH_BYTES or len(self.items) >= CPU_BATCH_ITEMS
+        ):
+            self.flush()
+        self.items.append(item)
+        self.end = item.offset + item.length
+
+    def flush(self) -> None:
+        if self.items:
+            self.tasks.append(_CpuBatch(self.items, self.end))
+            self.items = []
+
+
+@dataclasses.dataclass
+class _CpuPlan:
+    """A load's requests and records, and the planner that resolves destinations."""
+
+    by_item: dict[MetadataIndex, list[ReadItem]]
+    records: dict[MetadataIndex, _StorageInfo]
+    planner: LoadPlanner | None
+
+    def resolve(self, item: _CpuItem) -> None:
+        """Resolve ``item``'s destination (on the calling thread, as its task is queued): its
+        tensor's bytes when decoding can go straight there; else a buffer for a segmented item."""
+        if item.resolved:
+            return
+        item.resolved = True
+        if item.req is not None and self.planner is not None:
+            target = self.planner.resolve_tensor(item.req).detach()
+            flat = _flat_destination(target, item.dtype, item.shape)
+            if flat is not None:
+                item.target, item.out = target, flat
+                return
+        if item.parts > 1 and item.dtype is not None and item.shape is not None:
+            item.out = np.empty(tensor_nbytes(item.shape, item.dtype), dtype=np.uint8)
+
+
+def _flat_destination(target: torch.Tensor, dtype: torch.dtype | None, shape: tuple[int, ...] | None) -> np.ndarray | None:
+    """``target``'s memory as flat uint8 when the stored tensor can be decoded straight into it:
+    a dense CPU tensor of the stored dtype and shape (no lazy conjugation or negation). Few torch
+    calls: this runs once per item."""
+    if type(target) is not torch.Tensor or target.dtype != dtype or target.shape != shape:
+        return None
+    if target.device.type != "cpu" or not target.is_contiguous():
+        return None
+    if dtype.is_complex and (target.is_conj() or target.is_neg()):
+        return None
+    try:
+        flat: np.ndarray = target.view(torch.uint8).numpy().reshape(-1)
+    except (RuntimeError, TypeError, ValueError):  # 0-d tensors do not view as another element size
+        try:
+            flat = target.reshape(-1).view(torch.uint8).numpy()
+        except (RuntimeError, TypeError, ValueError):
+            return None
+    return flat
+
+
+@dataclasses.dataclass
+class _InPlace:
+    """An item decoded straight into the planner's tensor ``target``: only its commit is left."""
+
+    target: torch.Tensor
+
+
+class _LazyWhere:
+    """An item's description, built only when an error message needs it."""
+
+    def __init__(self, reader: NvcompReader, index: MetadataIndex) -> None:
+        self._reader, self._index = reader, index
+
+    def __str__(self) -> str:
+        return self._reader.where(self._index)
+
+
+def _named(exc: Exception, where: str) -> Exception:
+    """``exc`` (raised with an empty location, its message starting ': ') naming ``where``."""
+    message = exc.args[0] if exc.args and isinstance(exc.args[0], str) else str(exc)
+    if isinstance(exc, MissingDataFileError) or not message.startswith(":"):
+        return exc
+    return type(exc)(f"{where}{message}")
+
+
 @contextlib.contextmanager
-def _naming_item(where: str) -> Iterator[None]:
+def _naming_item(where: object) -> Iterator[None]:
     """Storage knows the file, not the item: add the item to a truncation error."""
     try:
         yield

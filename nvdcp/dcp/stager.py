@@ -54,6 +54,7 @@ from nvdcp.gpu.config import GpuConfig
 from nvdcp.pipeline.config import EncodeConfig
 from nvdcp.pipeline.cpu import EncodedItem
 from nvdcp.pipeline.encoder import ItemEncoder
+from nvdcp.pipeline.tensors import plain
 
 if TYPE_CHECKING:
     from nvdcp.gpu.encoder import GpuJob
@@ -63,6 +64,7 @@ logger = logging.getLogger(__name__)
 MiB = 1 << 20
 GiB = 1 << 30
 _ALIGN = 64
+_SNAP_ALIGN = 256  # snapshot tensors start here: any dtype views them, nvCOMP reads them aligned
 CPU_MODES = ("copy", "compress")
 
 
@@ -314,10 +316,34 @@ class StageStats:
     copied_shards: int = 0
     pinned_bytes: int = 0
     temp_bytes: int = 0
+    #: Host buffer bytes allocated (pinned when CUDA is present) by this save: 0 once warm.
+    grown_bytes: int = 0
+    #: Overlapped staging (``async_staging=True``): bytes of the device (or host) snapshot the
+    #: background compresses from, shards staged before the call returned because the snapshot
+    #: budget was spent, seconds from the call until the snapshot was complete on the device
+    #: (``staging_completion``), and seconds the background took to compress and copy to host.
+    snapshot_bytes: int = 0
+    sync_shards: int = 0
+    snapshot_seconds: float = 0.0
+    background_seconds: float = 0.0
 
     @property
     def ratio(self) -> float:
         return self.raw_bytes / self.staged_bytes if self.staged_bytes else 1.0
+
+
+class _Snapshot:
+    """One device's part of an overlapped save: the copy of its tensors that the background
+    compresses, and the event after which that copy is complete."""
+
+    __slots__ = ("buffer", "device", "entries", "event")
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.buffer: torch.Tensor | None = None
+        self.event: torch.cuda.Event | None = None
+        #: (shard, source tensor, where); the source is replaced by its copy once it is taken
+        self.entries: list[tuple[StagedShard, torch.Tensor, str]] = []
 
 
 class NvcompStager:
@@ -328,14 +354,25 @@ class NvcompStager:
     it at the end. ``NvcompWriter`` itself is an ``AsyncStager`` that delegates to a stager shared
     per process, so ``async_stager`` may be left out.
 
+    Overlapped staging (``async_staging=True``, docs/TRAINING.md): ``stage`` queues a copy of
+    every GPU tensor into GPU scratch memory on the caller's current stream (a device-to-device
+    copy, about a millisecond per GB on an H200) and returns a future at once, so
+    ``dcp.async_save`` answers an ``AsyncSaveResponse``. Compression and the device-to-host copy
+    run on background CUDA streams from that copy, while training goes on. The copy is queued on
+    the stream that runs the training step, so kernels queued there after the call (the next
+    optimizer step writing the parameters in place) run after it: the checkpoint holds the state
+    at the call, bit for bit. ``staging_completion`` resolves when the copy is complete on the
+    device; wait for it before the optimizer step (torch's recipe) and tensors written by other
+    streams or threads are covered too.
+
     Args:
         codec: as :class:`~nvdcp.NvcompWriter`'s ``codec`` (``"auto"``: GDeflate byte planes on the
             GPU, zstd on the CPU).
         chunk_bytes: uncompressed bytes per chunk (1 KiB..64 KiB).
         gpu: GPU path settings; ``gpu_memory_bytes`` bounds the scratch GPU memory of compression.
         cpu_mode: for tensors not compressed on a GPU: ``"copy"`` (a host copy now, compressed by
-            the background save; the shortest stall) or ``"compress"`` (compressed now on the
-            CPU; the background save only writes).
+            the background save; the shortest stall) or ``"compress"`` (compressed on the CPU,
+            now, or with ``async_staging`` in the background from a host copy taken now).
         buffer_bytes: host buffer memory kept across saves, pinned when CUDA is present. A save
             whose staged bytes exceed it uses temporary pageable memory for the rest.
         codec_threads: CPU threads for CPU compression and checksums (default: all cores).
@@ -347,6 +384,12 @@ class NvcompStager:
             ``dcp.async_save`` then returns an ``AsyncSaveResponse`` (``staging_completion``,
             ``upload_completion``) instead of a plain future, which callers written for
             ``DefaultStager``'s async staging expect (torchtitan's ``async_with_pinned_mem``).
+        async_staging: overlapped staging (above); implies a future from ``stage``, so
+            ``dcp.async_save`` returns an ``AsyncSaveResponse``.
+        snapshot_bytes: GPU memory per device the overlapped snapshot may use in one save
+            (default None: half of what is free on the device, counting memory torch's allocator
+            caches, at the save). Tensors beyond it are staged before the call returns, as
+            without ``async_staging``; so are all tensors when the copy cannot be allocated.
         on_identical_save: what a save staged through this stager does when every item is
             byte-identical to the previous save of the process: ``"warn"``, ``"error"``
             (:class:`~nvdcp.StaleSaveError`, nothing committed) or ``"ignore"``; None (default)
@@ -369,6 +412,8 @@ class NvcompStager:
         wait_timeout_s: float = 300.0,
         return_future: bool = False,
         on_identical_save: str | None = None,
+        async_staging: bool = False,
+        snapshot_bytes: int | None = None,
     ) -> None:
         from nvdcp.dcp.commit import identical_save_policy
 
@@ -376,14 +421,20 @@ class NvcompStager:
             raise ValueError(f"cpu_mode must be one of {CPU_MODES}, got {cpu_mode!r}")
         if buffer_bytes < 0:
             raise ValueError(f"buffer_bytes must be >= 0, got {buffer_bytes}")
+        if snapshot_bytes is not None and snapshot_bytes < 0:
+            raise ValueError(f"snapshot_bytes must be >= 0 or None, got {snapshot_bytes}")
         self.encoding = EncodeConfig(codec, chunk_bytes, codec_threads)
         self.gpu = gpu or GpuConfig()
         self.cpu_mode = cpu_mode
         self.buffer_bytes = buffer_bytes
         self.wait_timeout_s = wait_timeout_s
         self.return_future = return_future
+        self.async_staging = async_staging
+        self.snapshot_bytes = snapshot_bytes
         self.on_identical_save = identical_save_policy(on_identical_save, allow_none=True)
         self.last_stats: StageStats | None = None
+        #: What :meth:`warm_up` did (None before it ran).
+        self.warm_up_stats: StageStats | None = None
         self._init_runtime()
 
     def _init_runtime(self) -> None:
@@ -395,8 +446,12 @@ class NvcompStager:
         self._idle.set()
         self._generation = 0
         self._buffers: HostBuffers | None = None
+        # One background thread: finishes records, and runs overlapped saves' compression.
         self._finish_pool: ThreadPoolExecutor | None = None
-        self._finishing: Future[None] | None = None
+        self._finishing: list[Future[None]] = []
+        # The last staging future, weakly: holding it would hold the staged dict and its buffers.
+        self._staging: weakref.ref[Future[dict[str, Any]]] | None = None
+        self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
         #: Compresses what is staged (CPU threads, GPU encoders); closed with the stager.
         self.encoder = ItemEncoder(self.encoding, self.gpu)
         self._gpu_ok = False
@@ -410,25 +465,32 @@ class NvcompStager:
         return self.encoding.chunk_bytes
 
     def __getstate__(self) -> dict[str, Any]:
-        keep = ("encoding", "gpu", "cpu_mode", "buffer_bytes", "wait_timeout_s", "return_future", "on_identical_save")
-        return {k: self.__dict__[k] for k in keep} | {"last_stats": None}
+        keep = ("encoding", "gpu", "cpu_mode", "buffer_bytes", "wait_timeout_s", "return_future", "on_identical_save",
+                "async_staging", "snapshot_bytes")
+        return {k: self.__dict__[k] for k in keep} | {"last_stats": None, "warm_up_stats": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("async_staging", False)
+        state.setdefault("snapshot_bytes", None)
         self.__dict__.update(state)
         self._init_runtime()
 
     # -- AsyncStager protocol ------------------------------------------------------------------
     @property
     def should_synchronize_after_execute(self) -> bool:
-        """False: :meth:`stage` returns only when the staged copy is complete."""
+        """False: a dict from :meth:`stage` is complete; a future tells when it is."""
         return self._synchronize_after_execute
 
     def synchronize_staging(self) -> None:
-        """Nothing to do: staging is synchronous."""
+        """Wait until the last staged state no longer reads the caller's tensors."""
+        staging = self._staging() if self._staging is not None else None
+        if staging is not None:
+            staging.exception()  # its error, if any, goes to the save
 
     def close(self) -> None:
         """Wait for the last save to release the buffers, then free them."""
         self.wait()
+        self._wait_background()
         with self._lock:
             if self._buffers is not None:
                 self._buffers.close()
@@ -436,50 +498,104 @@ class NvcompStager:
         if self._finish_pool is not None:
             self._finish_pool.shutdown(wait=True)
         self._finish_pool = None
+        self._side_streams.clear()
         self.encoder.close()
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any] | Future[dict[str, Any]]:
         """Return a staged copy of ``state_dict`` that later training steps cannot change
-        (with ``return_future``: a completed future holding it).
+        (with ``return_future`` or ``async_staging``: a future of it).
 
-        Blocks for: waiting until the previous save released the buffers, GPU compression and the
-        copy of the compressed bytes to host memory (or, without a GPU, the host copy / CPU
-        compression). Checksums and headers of GPU-staged records follow in the background.
+        Blocks for: waiting until the previous save released the buffers, then GPU compression
+        and the copy of the compressed bytes to host memory (or, without a GPU, the host copy /
+        CPU compression). Checksums and headers of GPU-staged records follow in the background.
+        With ``async_staging`` it blocks only to queue the device snapshot (and for tensors past
+        the snapshot budget); the returned future resolves once the snapshot is complete.
         """
         started = time.perf_counter()
         lease = self._acquire()
         stats = StageStats(wait_seconds=time.perf_counter() - started)
         self._gpu_ok = gpu_available()  # once per save, not per tensor
+        buffers = self._buffers
+        assert buffers is not None
+        kept_before = buffers.kept_bytes
+        snapshots: dict[torch.device, _Snapshot] = {}
+        host_snapshot: list[tuple[StagedShard, torch.Tensor, str]] = []
         try:
-            assert self._buffers is not None
             gpu_jobs: list[GpuJob] = []
             copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-            staged = self._walk(state_dict, (), lease, gpu_jobs, copies, stats)
+            staged = self._walk(state_dict, (), lease, _Walk(gpu_jobs, copies, snapshots, host_snapshot), stats)
             if copies:
                 self._finish_copies(copies)
+            for snap in snapshots.values():
+                self._take_snapshot(snap, gpu_jobs, stats)
             if gpu_jobs:
                 t0 = time.perf_counter()
-                self._encode_on_gpu(gpu_jobs, stats)
+                stats.sync_shards = len(gpu_jobs) if self.async_staging else 0
+                self._encode_on_gpu(gpu_jobs, stats, buffers)
                 stats.gpu_seconds = time.perf_counter() - t0
         except BaseException:
             lease.release()
             raise
         stats.seconds = time.perf_counter() - started
-        stats.pinned_bytes = self._buffers.pinned_bytes
-        stats.temp_bytes = self._buffers.temp_bytes
+        stats.pinned_bytes = buffers.pinned_bytes
+        stats.temp_bytes = buffers.temp_bytes
+        stats.grown_bytes = buffers.kept_bytes - kept_before
         self.last_stats = stats
+        deferred = [s for s in snapshots.values() if s.entries]
+        if deferred or host_snapshot:
+            future: Future[dict[str, Any]] = Future()
+            if not deferred:
+                future.set_result(staged)  # host copies only: they are complete already
+            task = self._finisher().submit(self._background, deferred, host_snapshot, future, staged, stats,
+                                           buffers, started, kept_before)
+            self._finishing.append(task)
+            for snap in deferred:
+                for shard, _, _ in snap.entries:
+                    shard.pending = task
+            for shard, _, _ in host_snapshot:
+                shard.pending = task
+            self._staging = weakref.ref(future)
+            self._log(stats, "queued")
+            return future
+        self._log(stats, "staged")
+        if self.return_future or self.async_staging:
+            done: Future[dict[str, Any]] = Future()
+            done.set_result(staged)
+            self._staging = weakref.ref(done)
+            return done
+        return staged
+
+    def warm_up(self, state_dict: dict[str, Any]) -> StageStats:
+        """Stage ``state_dict`` once without saving it, so the first checkpoint costs what later
+        ones do: host buffers are allocated (and pinned) for its compressed size, the GPU
+        encoders, nvCOMP codecs and CUDA streams are made, and the caching allocator holds the
+        GPU scratch memory. Call it before training starts, with the state dict you will save.
+        Returns (and keeps in :attr:`warm_up_stats`) what that staging did; ``seconds`` of it is
+        the first-save cost moved out of the training loop."""
+        started = time.perf_counter()
+        staged = self.stage(state_dict)
+        if isinstance(staged, Future):
+            staged = staged.result()
+        shards = _staged_shards(staged)
+        try:
+            for shard in shards:
+                shard.encoded  # noqa: B018 - waits for the background; raises what it raised
+        finally:
+            release_staged(shards)
+        stats = dataclasses.replace(self.last_stats or StageStats(), seconds=time.perf_counter() - started)
+        self.warm_up_stats = stats
+        logger.info("nvdcp: stager warmed up in %.3fs (%d bytes of host buffers, %d pinned)",
+                    stats.seconds, self._buffers.kept_bytes if self._buffers else 0, stats.pinned_bytes)
+        return stats
+
+    def _log(self, stats: StageStats, what: str) -> None:
         logger.info(
-            "nvdcp staged %d shards (%d on GPU, %d compressed on CPU, %d copied): %d -> %d bytes "
+            "nvdcp %s %d shards (%d on GPU, %d compressed on CPU, %d copied, %d snapshot bytes): %d -> %d bytes "
             "(ratio %.3f) in %.3fs (%.3fs waiting for the previous save); pinned %d, temporary %d",
-            stats.shards, stats.gpu_shards, stats.compressed_shards, stats.copied_shards,
+            what, stats.shards, stats.gpu_shards, stats.compressed_shards, stats.copied_shards, stats.snapshot_bytes,
             stats.raw_bytes, stats.staged_bytes, stats.ratio, stats.seconds, stats.wait_seconds,
             stats.pinned_bytes, stats.temp_bytes,
         )
-        if self.return_future:
-            done: Future[dict[str, Any]] = Future()
-            done.set_result(staged)
-            return done
-        return staged
 
     # -- buffers and their lease ---------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> bool:
@@ -497,6 +613,12 @@ class NvcompStager:
             if remaining is not None and remaining <= 0:
                 return False
 
+    def _wait_background(self) -> None:
+        """Wait for every background task of earlier saves (they write into the buffers)."""
+        finishing, self._finishing = self._finishing, []
+        for task in finishing:
+            task.exception()  # waits; its error, if any, went to that save
+
     def _acquire(self) -> _Lease:
         if not self.wait(self.wait_timeout_s):
             logger.warning(
@@ -507,10 +629,8 @@ class NvcompStager:
             with self._lock:
                 self._buffers = None  # the old ones go away with the save that holds them
                 self._generation += 1
-        if self._finishing is not None:
-            # A save that failed early may not have waited for its records: they read the buffers.
-            self._finishing.exception()  # waits; its error, if any, went to that save
-            self._finishing = None
+        # A save that failed early may not have waited for its records: they read the buffers.
+        self._wait_background()
         with self._lock:
             if self._buffers is None:
                 self._buffers = HostBuffers(self.buffer_bytes, pin=torch.cuda.is_available())
@@ -528,19 +648,18 @@ class NvcompStager:
             self._idle.set()
 
     # -- the walk: same structure, tensors become StagedTensors --------------------------------
-    def _walk(self, obj: Any, path: tuple[Any, ...], lease: _Lease, gpu_jobs: list[GpuJob],
-              copies: list[tuple[torch.Tensor, torch.Tensor]], stats: StageStats) -> Any:
+    def _walk(self, obj: Any, path: tuple[Any, ...], lease: _Lease, out: _Walk, stats: StageStats) -> Any:
         if isinstance(obj, torch.Tensor):
-            return self._stage_tensor(obj, path, lease, gpu_jobs, copies, stats)
+            return self._stage_tensor(obj, path, lease, out, stats)
         if isinstance(obj, Mapping):
-            return {k: self._walk(v, (*path, k), lease, gpu_jobs, copies, stats) for k, v in obj.items()}
+            return {k: self._walk(v, (*path, k), lease, out, stats) for k, v in obj.items()}
         if isinstance(obj, list):
-            return [self._walk(v, (*path, i), lease, gpu_jobs, copies, stats) for i, v in enumerate(obj)]
+            return [self._walk(v, (*path, i), lease, out, stats) for i, v in enumerate(obj)]
         # DCP pickles every other leaf whole (tuples included): a deep copy on the host.
         return _host_deepcopy(obj)
 
-    def _stage_tensor(self, obj: torch.Tensor, path: tuple[Any, ...], lease: _Lease, gpu_jobs: list[GpuJob],
-                      copies: list[tuple[torch.Tensor, torch.Tensor]], stats: StageStats) -> StagedTensor:
+    def _stage_tensor(self, obj: torch.Tensor, path: tuple[Any, ...], lease: _Lease, out: _Walk,
+                      stats: StageStats) -> StagedTensor:
         from torch.distributed.checkpoint.planner_helpers import _create_write_items
         from torch.distributed.checkpoint.utils import find_tensor_shard
         from torch.distributed.tensor import DTensor
@@ -562,19 +681,143 @@ class NvcompStager:
             nbytes = data.numel() * data.element_size()
             stats.shards += 1
             stats.raw_bytes += nbytes
+            label = f"state_dict entry {where!r}"
             if data.is_cuda and self._gpu_ok:
-                gpu_jobs.append(self.encoder.gpu_job(shard, data, f"state_dict entry {where!r}"))
                 stats.gpu_shards += 1
+                if self.async_staging and nbytes:
+                    snap = out.snapshots.get(data.device)
+                    if snap is None:
+                        snap = out.snapshots[data.device] = _Snapshot(data.device)
+                    snap.entries.append((shard, data, label))
+                else:
+                    out.gpu_jobs.append(self.encoder.gpu_job(shard, data, label))
             elif self.cpu_mode == "compress" and not data.is_cuda and not self.encoding.gpu_only:
-                shard.encoded = self._keep(self.encoder.encode_tensor(data, f"state_dict entry {where!r}"))
                 stats.compressed_shards += 1
-                stats.staged_bytes += shard.encoded.nbytes
+                if self.async_staging and nbytes:
+                    # A host copy now; compression in the background (it reads only the copy).
+                    copy_ = torch.empty(data.shape, dtype=data.dtype)
+                    copy_.copy_(plain(data))
+                    out.host_snapshot.append((shard, copy_, label))
+                    stats.snapshot_bytes += nbytes
+                else:
+                    shard.encoded = self._keep(self.encoder.encode_tensor(data, label))
+                    stats.staged_bytes += shard.encoded.nbytes
             else:
-                shard.tensor = self._copy_to_host(data, copies)
+                shard.tensor = self._copy_to_host(data, out.copies)
                 stats.copied_shards += 1
                 stats.staged_bytes += nbytes
         items = [dataclasses.replace(i, index=MetadataIndex("", i.index.offset, i.index.index)) for i in items]
         return StagedTensor(tuple(obj.shape), obj.dtype, items, shards)
+
+    # -- overlapped staging ----------------------------------------------------------------------
+    def _snapshot_budget(self, device: torch.device) -> int:
+        if self.snapshot_bytes is not None:
+            return self.snapshot_bytes
+        free, _total = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return (free + max(0, cached)) // 2
+
+    def _take_snapshot(self, snap: _Snapshot, gpu_jobs: list[GpuJob], stats: StageStats) -> None:
+        """Queue the copy of ``snap``'s tensors on the device's current stream. Tensors past the
+        budget, or all of them when the copy cannot be allocated, go to ``gpu_jobs`` (staged now)."""
+        budget = self._snapshot_budget(snap.device)
+        offsets: list[int] = []
+        total = 0
+        keep = 0
+        for _, data, _ in snap.entries:
+            size = data.numel() * data.element_size()
+            if total + size > budget:
+                break
+            offsets.append(total)
+            total += -(-size // _SNAP_ALIGN) * _SNAP_ALIGN
+            keep += 1
+        overflow, snap.entries = snap.entries[keep:], snap.entries[:keep]
+        if snap.entries:
+            try:
+                snap.buffer = torch.empty(total, dtype=torch.uint8, device=snap.device)
+            except torch.cuda.OutOfMemoryError:
+                logger.warning("nvdcp: no GPU memory for a %d-byte snapshot on %s; staging those tensors "
+                               "before async_save returns", total, snap.device)
+                overflow, snap.entries = snap.entries + overflow, []
+        if overflow:
+            logger.info("nvdcp: %d tensors past the snapshot budget on %s are staged before async_save returns",
+                        len(overflow), snap.device)
+            gpu_jobs.extend(self.encoder.gpu_job(shard, data, label) for shard, data, label in overflow)
+        if not snap.entries:
+            return
+        assert snap.buffer is not None
+        dsts: list[torch.Tensor] = []
+        by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for (_, data, _), off in zip(snap.entries, offsets):
+            size = data.numel() * data.element_size()
+            dsts.append(snap.buffer[off : off + size].view(data.dtype).view(data.shape))
+            group = by_dtype.setdefault(data.dtype, ([], []))
+            group[0].append(dsts[-1])
+            group[1].append(plain(data))
+        with torch.cuda.device(snap.device):
+            # Multi-tensor launches (one per dtype and few dozen tensors), in order after the work
+            # queued on the caller's stream (what produced the tensors) and before anything
+            # queued there later (the next optimizer step).
+            for group_dsts, group_srcs in by_dtype.values():
+                torch._foreach_copy_(group_dsts, group_srcs)
+            snap.event = torch.cuda.Event()
+            snap.event.record(torch.cuda.current_stream(snap.device))
+        snap.entries = [(shard, dst, label) for (shard, _, label), dst in zip(snap.entries, dsts)]
+        stats.snapshot_bytes += total
+
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        # Priority 0 is CUDA's lowest (torch.cuda.Stream.priority_range()): the encoder's streams,
+        # made with the default priority, already yield to any higher-priority training stream.
+        if device not in self._side_streams:
+            self._side_streams[device] = torch.cuda.Stream(device, priority=0)
+        return self._side_streams[device]
+
+    def _background(self, snapshots: list[_Snapshot], host_snapshot: list[tuple[StagedShard, torch.Tensor, str]],
+                    future: Future[dict[str, Any]], staged: dict[str, Any], stats: StageStats,
+                    buffers: HostBuffers, started: float, kept_before: int) -> None:
+        """The overlapped part of a save, on the stager's background thread: resolve the staging
+        future once the snapshot is complete, then compress it into ``buffers``."""
+        if not future.done():
+            try:
+                for snap in snapshots:
+                    assert snap.event is not None
+                    snap.event.synchronize()  # releases the GIL
+            except BaseException as exc:
+                future.set_exception(exc)
+                raise
+            stats.snapshot_seconds = time.perf_counter() - started
+            future.set_result(staged)
+        del staged
+        t0 = time.perf_counter()
+        try:
+            for snap in snapshots:
+                jobs = [self.encoder.gpu_job(shard, data, label) for shard, data, label in snap.entries]
+                side = self._side_stream(snap.device)
+                assert snap.event is not None
+                side.wait_event(snap.event)
+                before = buffers.used_bytes
+                with torch.cuda.stream(side):  # the encoder's streams wait for the snapshot only
+                    items = self.encoder.stage_gpu_jobs(jobs, buffers)
+                stats.staged_bytes += buffers.used_bytes - before
+                # stage_gpu_jobs returned: every read of the snapshot is over, its memory may go
+                snap.entries.clear()
+                snap.buffer = None
+                for job, encoded in items():
+                    job.key.encoded = encoded
+                jobs.clear()
+            for shard, data, label in host_snapshot:
+                encoded = self._keep(self.encoder.encode_tensor(data, label), buffers)
+                shard.encoded = encoded  # not shard.encoded: that waits for this very task
+                stats.staged_bytes += encoded.nbytes
+            host_snapshot.clear()
+        except BaseException:
+            logger.exception("nvdcp: overlapped staging failed; the save fails with this error")
+            raise
+        finally:
+            stats.background_seconds = time.perf_counter() - t0
+            stats.pinned_bytes = buffers.pinned_bytes
+            stats.temp_bytes = buffers.temp_bytes
+            stats.grown_bytes = buffers.kept_bytes - kept_before
 
     # -- host copies -----------------------------------------------------------------------------
     def _copy_to_host(self, data: torch.Tensor, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -595,12 +838,13 @@ class NvcompStager:
         for device in devices:
             torch.cuda.current_stream(device).synchronize()
 
-    def _keep(self, encoded: EncodedItem) -> EncodedItem:
+    def _keep(self, encoded: EncodedItem, buffers: HostBuffers | None = None) -> EncodedItem:
         """Copy an encoded item's chunks into the host buffers (they may view memory that is
         about to be reused: the encoder's pinned slots, or the source tensor itself)."""
-        assert self._buffers is not None
+        buffers = buffers or self._buffers
+        assert buffers is not None
         total = sum(len(c) for c in encoded.chunks)
-        buf = self._buffers.alloc(total).numpy().data if total else memoryview(b"")
+        buf = buffers.alloc(total).numpy().data if total else memoryview(b"")
         views: list[bytes | memoryview] = []
         pos = 0
         for c in encoded.chunks:
@@ -611,21 +855,20 @@ class NvcompStager:
         return EncodedItem(encoded.header, encoded.header_bytes, views)
 
     # -- GPU compression -------------------------------------------------------------------------
-    def _encode_on_gpu(self, jobs: list[GpuJob], stats: StageStats) -> None:
-        assert self._buffers is not None
+    def _encode_on_gpu(self, jobs: list[GpuJob], stats: StageStats, buffers: HostBuffers) -> None:
         # When stage_gpu_jobs() returns, every read of the tensors is over (training may go on)
         # and the stored chunks are in our host buffers; checksums and headers are host work on
         # bytes that no longer change, so they run in the background, before the writer needs them.
-        before = self._buffers.used_bytes
-        items = self.encoder.stage_gpu_jobs(jobs, self._buffers)
-        stats.staged_bytes += self._buffers.used_bytes - before  # stored chunks, granule-padded
+        before = buffers.used_bytes
+        items = self.encoder.stage_gpu_jobs(jobs, buffers)
+        stats.staged_bytes += buffers.used_bytes - before  # stored chunks, granule-padded
 
         def finish() -> None:
             for job, encoded in items():
                 job.key.encoded = encoded
 
         pending = self._finisher().submit(finish)
-        self._finishing = pending
+        self._finishing.append(pending)
         for job in jobs:
             job.key.pending = pending
         jobs.clear()
@@ -634,6 +877,27 @@ class NvcompStager:
         if self._finish_pool is None:
             self._finish_pool = ThreadPoolExecutor(1, thread_name_prefix="nvdcp-stage-finish")
         return self._finish_pool
+
+
+@dataclasses.dataclass
+class _Walk:
+    """Where the walk puts work: jobs staged now, host copies, snapshots for the background."""
+
+    gpu_jobs: list[GpuJob]
+    copies: list[tuple[torch.Tensor, torch.Tensor]]
+    snapshots: dict[torch.device, _Snapshot]
+    host_snapshot: list[tuple[StagedShard, torch.Tensor, str]]
+
+
+def _staged_shards(obj: Any) -> list[StagedShard]:
+    """Every staged shard in a staged state dict."""
+    if isinstance(obj, StagedTensor):
+        return obj.staged_shards
+    if isinstance(obj, Mapping):
+        return [s for v in obj.values() for s in _staged_shards(v)]
+    if isinstance(obj, list):
+        return [s for v in obj for s in _staged_shards(v)]
+    return []
 
 
 def _host_deepcopy(obj: Any) -> Any:

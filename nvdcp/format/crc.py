@@ -12,6 +12,7 @@ import ctypes
 import functools
 import logging
 import os
+from typing import Any
 
 import crc32c
 import numpy as np
@@ -74,3 +75,21 @@ def checksum_ranges(buf: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, t
     for i, (off, n) in enumerate(zip(offsets.tolist(), lengths.tolist())):
         out[i] = crc32c.crc32c(view[off : off + n])
     return out
+
+
+# -- on the device ------------------------------------------------------------------------------
+def device_checksums_available() -> bool:
+    """Whether :func:`checksum_ranges_device` runs here (Triton and a CUDA device; see
+    :func:`nvdcp.gpu.crc32c.device_crc_available`)."""
+    from nvdcp.gpu.crc32c import device_crc_available
+
+    return device_crc_available()
+
+
+def checksum_ranges_device(buf: Any, offsets: Any, lengths: Any, expected: Any = None) -> tuple[Any, Any]:
+    """:func:`checksum_ranges` of a CUDA uint8 tensor, computed on its device by a Triton kernel
+    (the same values, bit for bit): ``(crcs, bad)``, see :func:`nvdcp.gpu.crc32c.checksum_ranges_device`.
+    Queued on the current stream; nothing waits."""
+    from nvdcp.gpu.crc32c import checksum_ranges_device as on_device
+
+    return on_device(buf, offsets, lengths, expected)

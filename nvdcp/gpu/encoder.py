@@ -4,18 +4,23 @@ Items are cut into block ranges and packed into *buckets* whose GPU footprint st
 configured budget. A bucket's chunks sit in fixed slots of one device *arena*; every codec gets
 one batched nvCOMP call per bucket, however many tensors it holds, writing into its own region
 of the arena. The stored chunks (compressed where that paid, raw otherwise) are then *compacted*
-on the device by one row gather (:func:`compaction_plan`), so only stored bytes cross to the
-host, in one copy per host buffer run. Two CUDA streams alternate between buckets, so bucket
-k+1 compresses while bucket k is compacted and copied.
+on the device by one row gather (:func:`compaction_plan`), checksummed there (CRC32C by a Triton
+kernel, :mod:`nvdcp.gpu.crc32c`, when it runs here; else on the host after the copy), and only
+stored bytes cross to the host, in one copy per host buffer run. Two CUDA streams alternate
+between buckets, so bucket k+1 compresses while bucket k is compacted and copied.
 
 Two ways out: :meth:`GpuEncoder.encode` (the writer) moves each bucket into a pooled pinned
-buffer, checksums it and yields its items; :meth:`GpuEncoder.stage` (the async stager) copies
+buffer and yields its items; a producer thread drives the GPU, so bucket k+1 is compressed and
+copied out while the caller writes bucket k. :meth:`GpuEncoder.stage` (the async stager) copies
 every bucket into host memory the caller provides and returns as soon as the copies are done,
-leaving checksums and headers to :meth:`GpuEncoder.items`, which the caller runs in the background.
+leaving headers (and host checksums, without the kernel) to :meth:`GpuEncoder.items`, which the
+caller runs in the background.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -26,6 +31,7 @@ import torch
 from nvdcp.codecs import codec_id
 from nvdcp.format.crc import checksum_ranges
 from nvdcp.format.header import TRANSFORM_BYTEPLANES, ItemHeader
+from nvdcp.gpu import crc32c
 from nvdcp.gpu.nvcomp_codecs import CodecCache, typed_data_type
 from nvdcp.gpu.pinned import PinnedPool
 from nvdcp.pipeline.cpu import EncodedItem
@@ -98,9 +104,14 @@ class HostBucket:
     offsets: np.ndarray  # where each slot's chunk starts in the packed bucket
     runs: list[tuple[torch.Tensor, int, int]]  # host buffers holding slots lo..hi-1
     done: torch.cuda.Event
+    #: each slot's CRC32C computed on the device (int32 bits, host memory, valid after ``done``);
+    #: None: computed on the host by :meth:`checksums`
+    crcs: torch.Tensor | None = None
 
     def checksums(self) -> list[int]:
-        """Each slot's CRC32C (one batched call per host buffer run)."""
+        """Each slot's CRC32C (from the device, or one batched host call per host buffer run)."""
+        if self.crcs is not None:
+            return self.crcs.numpy().view(np.uint32).tolist()
         crcs: list[int] = []
         for host, lo, hi in self.runs:
             if hi > lo:
@@ -173,24 +184,46 @@ class _Launched:
     arena: torch.Tensor  # the bucket's slots, then each group's output slots
     raw_sizes: np.ndarray  # uncompressed bytes per slot
     groups: list[_Group]
+    encoded: torch.cuda.Event | None = None  # recorded after the bucket's encode calls
 
 
 class _PooledSink:
-    """One pinned buffer from the encoder's pool per bucket (the writer's path)."""
+    """One pinned buffer from the encoder's pool per bucket (the writer's path), at most
+    ``depth`` buckets held at once: :meth:`place` waits for the consumer to release one."""
 
-    def __init__(self, pool: PinnedPool) -> None:
+    def __init__(self, pool: PinnedPool, depth: int = 2) -> None:
         self.pool = pool
         self.held: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+        self._room = threading.Semaphore(depth)
+        self.closed = False
 
     def place(self, sizes: np.ndarray) -> list[tuple[torch.Tensor, int, int]]:
         total = int(sizes.sum())
-        self.held.append(self.pool.acquire(max(total, 1)))
-        return [(self.held[-1][:total], 0, len(sizes))]
+        while not self._room.acquire(timeout=0.1):
+            if self.closed:
+                raise _Stopped
+        with self._lock:
+            self.held.append(self.pool.acquire(max(total, 1)))
+            return [(self.held[-1][:total], 0, len(sizes))]
+
+    def release_oldest(self) -> None:
+        """The consumer is done with the oldest held bucket."""
+        with self._lock:
+            buf = self.held.pop(0)
+        self.pool.release(buf)
+        self._room.release()
 
     def release(self) -> None:
-        for buf in self.held:
+        with self._lock:
+            held, self.held = self.held, []
+        for buf in held:
             self.pool.release(buf)
-        self.held.clear()
+            self._room.release()
+
+
+class _Stopped(Exception):
+    """The consumer of :meth:`GpuEncoder.encode` went away: the producer stops."""
 
 
 class GpuEncoder:
@@ -210,6 +243,8 @@ class GpuEncoder:
         self.gdeflate_type = gdeflate_type
         self.streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
         self.codecs = [CodecCache(device.index or 0, s, chunk_bytes, gdeflate_type) for s in self.streams]
+        #: chunk checksums on the device (the Triton kernel) rather than on the host after the copy
+        self.device_crc = crc32c.device_crc_available()
 
     # -- planning ------------------------------------------------------------------------------
     def _block_cost(self, job: GpuJob) -> int:
@@ -232,7 +267,10 @@ class GpuEncoder:
             while b < blocks:
                 cur = buckets[-1]
                 room = min((self.bucket_budget - cur.cost) // per_block, (self.max_slots - cur.slots) // job.n_planes)
-                if room <= 0 and cur.segments:
+                fits_empty = min(self.bucket_budget // per_block, self.max_slots // job.n_planes)
+                if cur.segments and (room <= 0 or (b == 0 and room < blocks <= fits_empty)):
+                    # a new bucket, also for an item that would fit whole in one but not in this
+                    # one's rest: its chunks then stay in one host buffer (no copy of a partial item)
                     buckets.append(_Bucket())
                     continue
                 take = min(blocks - b, max(room, 1))
@@ -315,13 +353,17 @@ class GpuEncoder:
                 out_offsets = range(grp.base, grp.base + len(grp.ids) * grp.cap, grp.cap)
                 dst = nv.as_arrays(arena, list(out_offsets), [cap] * len(grp.ids), cuda_stream=stream.cuda_stream)
                 grp.result = codec.encode(src, out=dst)
-        return _Launched(bucket, stream, arena, raw_sizes, groups)
+            encoded = torch.cuda.Event()
+            encoded.record(stream)
+        return _Launched(bucket, stream, arena, raw_sizes, groups, encoded)
 
     def _to_host(self, launched: _Launched, sink: HostSink) -> HostBucket:
         """Pack the bucket's stored chunks on the device and queue their copy into ``sink``'s memory."""
         c, g = self.chunk_bytes, self.granule
         stored = launched.raw_sizes.copy()
         src_offsets = np.arange(len(stored), dtype=np.int64) * c
+        if launched.encoded is not None and launched.groups:
+            launched.encoded.synchronize()  # waits with the GIL released (nvCOMP's sizes below may hold it)
         for grp in launched.groups:
             sizes = np.asarray(grp.result.buffer_sizes, dtype=np.int64)  # waits for this encode only
             used = sizes < launched.raw_sizes[grp.ids]  # compression paid: keep it
@@ -329,12 +371,17 @@ class GpuEncoder:
             src_offsets[grp.ids[used]] = grp.base + np.flatnonzero(used) * grp.cap
         with torch.cuda.stream(launched.stream):
             packed, offsets = pack_chunks(launched.arena, src_offsets, stored, g)
+            host_crcs = None
+            if self.device_crc and len(stored):
+                crcs, _ = crc32c.checksum_ranges_device(packed, offsets[:-1], stored)
+                host_crcs = torch.empty(len(stored), dtype=torch.int32, pin_memory=True)
+                host_crcs.copy_(crcs, non_blocking=True)
             runs = sink.place(np.diff(offsets))
             for host, lo, hi in runs:
                 host.copy_(packed[int(offsets[lo]) : int(offsets[hi])], non_blocking=True)
             done = torch.cuda.Event()
             done.record(launched.stream)
-        return HostBucket(launched.bucket, stored, offsets, runs, done)
+        return HostBucket(launched.bucket, stored, offsets, runs, done, host_crcs)
 
     def _buckets(self, jobs: list[GpuJob], ready: torch.cuda.Event | None, sink: HostSink) -> Iterator[HostBucket]:
         if ready is not None:
@@ -387,12 +434,37 @@ class GpuEncoder:
         """
         partial: dict[int, list] = {}
         sink = _PooledSink(self.pinned)
+        ready_buckets: queue.Queue[HostBucket | BaseException | None] = queue.Queue()
+
+        def produce() -> None:
+            try:
+                with torch.cuda.device(self.device):
+                    for hb in self._buckets(jobs, ready, sink):
+                        ready_buckets.put(hb)
+                ready_buckets.put(None)
+            except _Stopped:
+                pass
+            except BaseException as exc:  # handed to the consumer, raised there
+                ready_buckets.put(exc)
+
+        producer = threading.Thread(target=produce, name="nvdcp-gpu-encode", daemon=True)
+        producer.start()
         try:
-            for hb in self._buckets(jobs, ready, sink):
-                hb.done.synchronize()
-                yield from self._bucket_items(jobs, hb, partial, copy_partial=True)
-                sink.release()
+            while True:
+                got = ready_buckets.get()
+                if got is None:
+                    break
+                if isinstance(got, BaseException):
+                    raise got
+                got.done.synchronize()
+                yield from self._bucket_items(jobs, got, partial, copy_partial=True)
+                sink.release_oldest()
         finally:
+            sink.closed = True
+            producer.join()
+            # copies already queued into pinned buffers must land before the pool reuses them
+            for stream in self.streams:
+                stream.synchronize()
             sink.release()
 
     def stage(self, jobs: list[GpuJob], sink: HostSink, ready: torch.cuda.Event | None = None) -> list[HostBucket]:

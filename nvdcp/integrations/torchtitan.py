@@ -20,7 +20,7 @@ Switching a run (docs/INTEGRATIONS.md), with torchtitan's own extension mechanis
 
 Modes: ``disabled`` saves with ``dcp.save``; ``async`` stages through an
 :class:`~nvdcp.NvcompStager` and writes in a thread; ``async_with_pinned_mem`` stages through an
-``NvcompStager(return_future=True)`` (GPU compression into reused pinned buffers) and writes in
+``NvcompStager(async_staging=True)`` (GPU compression into reused pinned buffers) and writes in
 torch's checkpoint process, as torchtitan does with ``DefaultStager``.
 
 Loading: through ``NvcompReader``, which reads nvdcp and stock DCP checkpoints alike (written by
@@ -109,12 +109,13 @@ class NvdcpCheckpointManager(CheckpointManager):
         self.nvdcp_config = config
         if self.async_mode in (AsyncMode.ASYNC, AsyncMode.ASYNC_WITH_PINNED_MEM):
             # torchtitan builds a DefaultStager only while self.stager is None, and closes
-            # self.stager in close(). return_future: torch then answers AsyncSaveResponse, which
-            # the pinned mode asserts.
+            # self.stager in close(). async_staging: torch then answers AsyncSaveResponse, which
+            # the pinned mode asserts, and torchtitan waits for staging_completion before the next
+            # step while compression overlaps it (docs/TRAINING.md).
             self.stager = NvcompStager(
                 codec=config.codec, chunk_bytes=config.chunk_bytes, codec_threads=config.codec_threads,
                 cpu_mode=config.staging_cpu_mode, buffer_bytes=config.staging_buffer_bytes,
-                return_future=self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM,
+                async_staging=self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM,
             )
         logger.info("nvdcp: torchtitan checkpoints in %s use codec %s (%s)", self.folder, config.codec,
                     self.async_mode.value)

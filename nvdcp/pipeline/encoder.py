@@ -19,10 +19,11 @@ per save share :func:`shared_encoder` for their settings; :func:`nvdcp.release_r
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -117,20 +118,29 @@ class ItemEncoder:
         return data.is_cuda or (self.config.gpu_only and data.numel() > 0)
 
     # -- the CPU path --------------------------------------------------------------------------
-    def encode_bytes(self, data: io.BytesIO | bytes | bytearray | memoryview | np.ndarray) -> EncodedItem:
-        """Encode a BYTE_IO item (always with a CPU-decodable codec)."""
+    def encode_bytes(
+        self, data: io.BytesIO | bytes | bytearray | memoryview | np.ndarray, pool: Executor | None | bool = True,
+    ) -> EncodedItem:
+        """Encode a BYTE_IO item (always with a CPU-decodable codec). ``pool``: where its chunk
+        groups go (True: the codec threads; None: this thread)."""
         if isinstance(data, np.ndarray):
             raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)  # any dtype: its bytes
         else:
             raw = np.frombuffer(data.getbuffer() if isinstance(data, io.BytesIO) else data, dtype=np.uint8)
         return encode_item(
             raw, kind=KIND_BYTES, dtype_code=0, shape=(), element_size=1,
-            layout=choose_layout(None, self.config.codec), pool=self.codec_pool(),
+            layout=choose_layout(None, self.config.codec), pool=self._pool_arg(pool),
             chunk_bytes=self.config.chunk_bytes,
         )
 
-    def encode_tensor(self, tensor: torch.Tensor, where: str) -> EncodedItem:
+    def _pool_arg(self, pool: Executor | None | bool) -> Executor | None:
+        if pool is True:
+            return self.codec_pool()
+        return pool or None
+
+    def encode_tensor(self, tensor: torch.Tensor, where: str, pool: Executor | None | bool = True) -> EncodedItem:
         """Encode a tensor on the CPU (its bytes are copied to the host if it lives on a GPU).
+        ``pool``: as :meth:`encode_bytes`.
 
         Raises:
             ValueError: the dtype has no code in the format (``where`` names the item).
@@ -148,7 +158,7 @@ class ItemEncoder:
         return encode_item(
             tensor_to_host_bytes(tensor), kind=KIND_TENSOR, dtype_code=code, shape=tuple(tensor.shape),
             element_size=tensor.element_size(), layout=choose_layout(tensor.dtype, codec),
-            pool=self.codec_pool(), chunk_bytes=self.config.chunk_bytes,
+            pool=self._pool_arg(pool), chunk_bytes=self.config.chunk_bytes,
         )
 
     # -- the GPU path --------------------------------------------------------------------------
@@ -220,23 +230,41 @@ class ItemEncoder:
     ) -> Iterator[tuple[Any, EncodedItem]]:
         """Encode ``(key, data)`` pairs; yields ``(key, record)``.
 
-        CPU items are encoded and yielded as they come; GPU items are collected and encoded in
+        CPU items are yielded in order. Small ones (under ``SMALL_ITEM_BYTES``) are encoded in
+        batches, one task of the codec pool per batch, several batches at once: their codec
+        work runs on every core instead of one item at a time on the caller's thread. Larger
+        items split their own blocks over the pool. GPU items are collected and encoded in
         batched calls at the end (one nvCOMP call per codec and bucket, however many tensors).
         ``describe(key)`` names an item in errors. Chunks of GPU records view reused pinned
         memory: consume each record before asking for the next.
         """
         gpu_ok = gpu_available()
         jobs: list[GpuJob] = []
-        for key, data in items:
-            if not isinstance(data, torch.Tensor):
-                yield key, self.encode_bytes(data)
-            elif self.uses_gpu(data, gpu_ok):
-                jobs.append(self.gpu_job(key, data, describe(key)))
-            else:
-                yield key, self.encode_tensor(data, describe(key))
+        batches = _CpuBatches(self.codec_pool(), 2 * self.config.threads)
+        try:
+            for key, data in items:
+                if isinstance(data, torch.Tensor) and self.uses_gpu(data, gpu_ok):
+                    jobs.append(self.gpu_job(key, data, describe(key)))
+                    continue
+                nbytes = _nbytes(data)
+                if nbytes < SMALL_ITEM_BYTES:
+                    yield from batches.add(key, functools.partial(self._encode_cpu, data, key, describe), nbytes)
+                    continue
+                yield from batches.drain()
+                yield key, self._encode_cpu(data, key, describe, self.codec_pool())
+            yield from batches.drain()
+        finally:
+            batches.close()  # on an error, no task may still read the items (staged buffers go back)
         if jobs:
             for job, encoded in self.encode_gpu_jobs(jobs, shares):
                 yield job.key, encoded
+
+    def _encode_cpu(
+        self, data: ItemData, key: Any, describe: Callable[[Any], str], pool: ThreadPoolExecutor | None = None,
+    ) -> EncodedItem:
+        if isinstance(data, torch.Tensor):
+            return self.encode_tensor(data, describe(key), pool)
+        return self.encode_bytes(data, pool)
 
     def encode_owned(self, data: ItemData, where: str, shares: int = 1) -> EncodedItem:
         """Encode one item into a record whose chunks the caller may keep (GPU chunks are
@@ -246,6 +274,72 @@ class ItemEncoder:
                 encoded = EncodedItem(encoded.header, encoded.header_bytes, [bytes(c) for c in encoded.chunks])
             return encoded
         raise AssertionError("encode_items yields one record per item")
+
+
+#: Items under this many bytes are encoded in batches on the codec pool (see encode_items);
+#: larger ones split their own blocks over it.
+SMALL_ITEM_BYTES = 1 << 20
+#: A batch of small items: one pool task of about this many bytes, or this many items.
+SMALL_BATCH_BYTES = 4 << 20
+SMALL_BATCH_ITEMS = 256
+
+
+def _nbytes(data: ItemData) -> int:
+    if isinstance(data, torch.Tensor):
+        return data.numel() * data.element_size()
+    if isinstance(data, io.BytesIO):
+        return data.getbuffer().nbytes
+    return memoryview(data).nbytes  # type: ignore[arg-type]  # numpy arrays are buffers
+
+
+def _run_batch(encodes: list[Callable[[], EncodedItem]]) -> list[EncodedItem]:
+    return [encode() for encode in encodes]
+
+
+class _CpuBatches:
+    """Small items' encodes grouped into pool tasks, ``window`` tasks in flight at most, their
+    records handed back in the order the items came."""
+
+    def __init__(self, pool: ThreadPoolExecutor, window: int) -> None:
+        self.pool = pool
+        self.window = max(1, window)
+        self.keys: list[Any] = []
+        self.encodes: list[Callable[[], EncodedItem]] = []
+        self.nbytes = 0
+        self.pending: list[tuple[list[Any], Future[list[EncodedItem]]]] = []
+
+    def add(self, key: Any, encode: Callable[[], EncodedItem], nbytes: int) -> Iterator[tuple[Any, EncodedItem]]:
+        """Queue one item; yields the records of batches done while the window is full."""
+        self.keys.append(key)
+        self.encodes.append(encode)
+        self.nbytes += nbytes
+        if self.nbytes >= SMALL_BATCH_BYTES or len(self.keys) >= SMALL_BATCH_ITEMS:
+            self._submit()
+            while len(self.pending) > self.window:
+                yield from self._pop()
+
+    def drain(self) -> Iterator[tuple[Any, EncodedItem]]:
+        """Yield every queued item's record, in order."""
+        self._submit()
+        while self.pending:
+            yield from self._pop()
+
+    def close(self) -> None:
+        """Wait for the tasks still running; their results and errors are dropped."""
+        for _, future in self.pending:
+            future.cancel()
+            with contextlib.suppress(BaseException):
+                future.result()
+        self.pending = []
+
+    def _submit(self) -> None:
+        if self.keys:
+            self.pending.append((self.keys, self.pool.submit(_run_batch, self.encodes)))
+            self.keys, self.encodes, self.nbytes = [], [], 0
+
+    def _pop(self) -> Iterator[tuple[Any, EncodedItem]]:
+        keys, future = self.pending.pop(0)
+        yield from zip(keys, future.result())
 
 
 def descriptor_codec(encoded: EncodedItem) -> str:

@@ -63,6 +63,11 @@ class S3Config:
             at a time, in file order: without readahead every item would cost a GET). 0 disables.
         readahead_blocks: blocks kept (least recently used evicted); memory up to
             ``readahead_size x readahead_blocks`` per storage object.
+        prefetch_window: once reads of an object move forward (a DCP load reads each data file
+            front to back), keep this many bytes past the furthest read being fetched, so reads
+            find their bytes already fetched while the reader decodes. 0 disables. Memory: about
+            this much per object being read, plus one part.
+        prefetch_part_size: bytes per prefetch GET.
         checksum: ``"CRC32C"`` (``x-amz-checksum-crc32c`` on every PUT and part; S3 verifies it) or
             ``"MD5"`` (``Content-MD5``; for S3-compatible stores without flexible checksums).
         retry_mode, max_attempts: botocore's retry policy per HTTP request (throttling ``SlowDown``,
@@ -95,6 +100,8 @@ class S3Config:
     coalesce_gap: int = 1 * MiB
     readahead_size: int = 8 * MiB
     readahead_blocks: int = 8
+    prefetch_window: int = 128 * MiB
+    prefetch_part_size: int = 32 * MiB
     checksum: Literal["CRC32C", "MD5"] = "CRC32C"
     retry_mode: Literal["standard", "adaptive", "legacy"] = "standard"
     max_attempts: int = 8
@@ -143,6 +150,8 @@ class S3Config:
         if 0 < self.readahead_size < 4 * KiB:
             raise ValueError(f"S3Config.readahead_size must be 0 (off) or at least 4 KiB, got {self.readahead_size}")
         _int_in("readahead_blocks", self.readahead_blocks, 1, 4096)
+        _int_in("prefetch_part_size", self.prefetch_part_size, 64 * KiB, S3_MAX_PART_SIZE)
+        _int_in("prefetch_window", self.prefetch_window, 0, 64 * GiB)
 
     def _check_retries(self) -> None:
         _int_in("max_attempts", self.max_attempts, 1, 100)

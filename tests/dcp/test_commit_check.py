@@ -172,3 +172,36 @@ def test_records_of_a_file_need_not_be_together(root: Path) -> None:
     os.truncate(root / names()[4], END - ITEM)  # its last item gone: only that record reaches further
     with pytest.raises(nvdcp.TruncatedCheckpointError, match=names()[4]):
         SaveGuard(storage).check_data_files(interleaved)
+
+
+def test_metadata_pickles_to_the_same_bytes_as_pickle_dumps() -> None:
+    """``dump_metadata`` skips ``_StorageInfo.__getstate__``'s dict copy: the bytes stay pickle's,
+    records with a None field (left out by torch) included, at every protocol."""
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from nvdcp.dcp.commit import dump_metadata
+
+    chunks = [ChunkStorageMetadata(torch.Size([2 * r, 0]), torch.Size([2, 3])) for r in range(4)]
+    sdm: dict[str, object] = {
+        "w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([8, 3]), chunks),
+        "b": BytesStorageMetadata(),
+    }
+    records: dict[MetadataIndex, _StorageInfo] = {
+        MetadataIndex("w", c.offsets, i): _StorageInfo(f"__{i}_ab_0.nvdcp", 64, 24, ("nvdcp.zstd/1",))
+        for i, c in enumerate(chunks)
+    }
+    records[MetadataIndex("b")] = _StorageInfo("__0_ab_0.distcp", 88, 5)  # no descriptors: None left out
+    metadata = Metadata(sdm, storage_data=records)  # type: ignore[arg-type]
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        assert dump_metadata(metadata, protocol) == pickle.dumps(metadata, protocol), protocol
+    assert pickle.loads(dump_metadata(metadata, pickle.HIGHEST_PROTOCOL)).storage_data == records

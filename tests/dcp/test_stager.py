@@ -8,6 +8,7 @@ import logging
 import pickle
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -123,13 +124,13 @@ def test_pre_encoded_items_are_written_without_compressing_again(tmp_path: Path,
     calls: list[str] = []
     encode_bytes, encode_tensor = ItemEncoder.encode_bytes, ItemEncoder.encode_tensor
 
-    def spy_bytes(self: Any, data: Any) -> Any:
+    def spy_bytes(self: Any, data: Any, *args: Any, **kwargs: Any) -> Any:
         calls.append("BYTE_IO")
-        return encode_bytes(self, data)
+        return encode_bytes(self, data, *args, **kwargs)
 
-    def spy_tensor(self: Any, tensor: Any, where: str) -> Any:
+    def spy_tensor(self: Any, tensor: Any, where: str, *args: Any, **kwargs: Any) -> Any:
         calls.append("TENSOR")
-        return encode_tensor(self, tensor, where)
+        return encode_tensor(self, tensor, where, *args, **kwargs)
 
     monkeypatch.setattr(ItemEncoder, "encode_bytes", spy_bytes)
     monkeypatch.setattr(ItemEncoder, "encode_tensor", spy_tensor)
@@ -308,3 +309,27 @@ def test_bad_arguments() -> None:
         NvcompStager(chunk_bytes=10)
     with pytest.raises(nvdcp.UnknownCodecError):
         NvcompStager(codec="lzma")
+
+
+@pytest.mark.gpu
+def test_overlapped_gpu_staging_writes_the_records_of_synchronous_staging(tmp_path: Path) -> None:
+    """async_staging compresses a device snapshot in the background: the same records as
+    staging synchronously from the tensors (bit-identical files' item sizes and loads)."""
+    cuda = torch.device("cuda", 0)
+    g = torch.Generator(device=cuda).manual_seed(3)
+    sd = {"w": torch.randn(1000, 300, device=cuda, generator=g), "b": torch.randn(77, device=cuda, generator=g).half(),
+          "t": torch.randn(64, 64, device=cuda, generator=g).t(), "n": 5}
+    want = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in sd.items()}
+    for name, stager in (("sync", NvcompStager()), ("overlap", NvcompStager(async_staging=True))):
+        staged = stager.stage(sd)
+        if name == "overlap":
+            assert isinstance(staged, Future)
+            staged = staged.result()
+        dcp.save(staged, storage_writer=nvdcp.NvcompWriter(tmp_path / name))
+        out = {k: (torch.zeros(v.shape, dtype=v.dtype) if isinstance(v, torch.Tensor) else 0) for k, v in sd.items()}
+        dcp.load(out, storage_reader=nvdcp.NvcompReader(tmp_path / name))
+        _assert_same(out, want)
+        stager.close()
+    sizes = [{(k.fqn, tuple(k.offset or ())): v.length  # offset None: the bytes item
+              for k, v in nvdcp.NvcompReader(tmp_path / n).read_metadata().storage_data.items()} for n in ("sync", "overlap")]
+    assert sizes[0] == sizes[1]

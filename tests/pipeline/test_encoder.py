@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import pickle
 from collections.abc import Iterator
 
@@ -19,7 +20,14 @@ from nvdcp.gpu.config import GpuConfig
 from nvdcp.pipeline import encoder as encoder_module
 from nvdcp.pipeline.config import EncodeConfig
 from nvdcp.pipeline.cpu import EncodedItem, decode_item
-from nvdcp.pipeline.encoder import ItemEncoder, close_shared_encoders, descriptor_codec, shared_encoder
+from nvdcp.pipeline.encoder import (
+    SMALL_BATCH_ITEMS,
+    SMALL_ITEM_BYTES,
+    ItemEncoder,
+    close_shared_encoders,
+    descriptor_codec,
+    shared_encoder,
+)
 from nvdcp.pipeline.policy import choose_layout
 from tests.conftest import bit_equal, random_tensor, weights_like
 
@@ -243,16 +251,41 @@ def test_encode_items_keeps_input_order_and_kinds(enc: ItemEncoder) -> None:
             assert _decoded_bytes(item) == data
 
 
-def test_encode_items_is_lazy(enc: ItemEncoder) -> None:
+def test_encode_items_is_lazy_for_large_items(enc: ItemEncoder) -> None:
     def items() -> Iterator[tuple[str, torch.Tensor]]:
-        yield "a", torch.ones(4)
+        yield "a", torch.ones(SMALL_ITEM_BYTES // 4)
         raise RuntimeError("second item requested")
 
     gen = enc.encode_items(items(), str)
     key, first = next(gen)
-    assert key == "a" and first.header.shape == (4,)
+    assert key == "a" and first.header.shape == (SMALL_ITEM_BYTES // 4,)
     with pytest.raises(RuntimeError, match="second item requested"):
         next(gen)
+
+
+def test_encode_items_batches_small_items_with_a_bounded_look_ahead(enc: ItemEncoder) -> None:
+    """Small items are encoded in batches on the pool: the caller's items are pulled ahead of
+    the records, but only a few batches' worth, and records come back in order."""
+    pulled = []
+
+    def items() -> Iterator[tuple[int, torch.Tensor]]:
+        for i in itertools.count():
+            pulled.append(i)
+            yield i, torch.full((16,), float(i))
+
+    gen = enc.encode_items(items(), str)
+    records = [next(gen) for _ in range(3 * SMALL_BATCH_ITEMS)]
+    assert [k for k, _ in records] == list(range(3 * SMALL_BATCH_ITEMS))
+    assert len(pulled) <= (2 * enc.config.threads + 5) * SMALL_BATCH_ITEMS
+    for key, record in records[:: SMALL_BATCH_ITEMS // 4]:
+        assert bit_equal(_decoded_tensor(record, torch.float32), torch.full((16,), float(key)))
+    gen.close()
+
+
+def test_encode_items_error_in_a_batch_names_the_item(enc: ItemEncoder) -> None:
+    bad = torch.quantize_per_tensor(torch.ones(8), 0.1, 0, torch.quint8)  # no dtype code in the format
+    with pytest.raises(ValueError, match="item bad"):
+        list(enc.encode_items([("ok", torch.ones(8)), ("bad", bad), ("after", torch.ones(8))], "item {}".format))
 
 
 def test_encode_items_of_nothing(enc: ItemEncoder) -> None:

@@ -368,7 +368,8 @@ def test_readahead_serves_sequential_small_reads_with_few_gets(s3env: S3Env) -> 
     items = [(off, min(3000, len(data) - off)) for off in range(0, len(data), 3000)]
     with FaultProxy(s3env.endpoint) as proxy:
         store = S3Storage(
-            s3env.url("ra"), endpoint_url=proxy.endpoint, readahead_size=8 * P, max_concurrency=4, read_part_size=64 * 1024
+            s3env.url("ra"), endpoint_url=proxy.endpoint, readahead_size=8 * P, max_concurrency=4, read_part_size=64 * 1024,
+            prefetch_window=0,  # the block cache alone (sequential prefetch: the tests below)
         )
         got = list(store.pool.map(lambda r: bytes(store.read_range("f", *r)), items))
         assert got == [data[o : o + n] for o, n in items]
@@ -379,3 +380,132 @@ def test_readahead_serves_sequential_small_reads_with_few_gets(s3env: S3Env) -> 
     assert whole == [data] * 8
     with pytest.raises(MissingDataFileError):
         store.read_range("absent", 0, 10)
+
+
+# -- sequential prefetch ------------------------------------------------------------------------
+PREFETCH = dict(readahead_size=0, prefetch_part_size=4 * P, prefetch_window=16 * P, max_concurrency=4)
+
+
+def test_prefetch_serves_forward_reads_from_few_large_gets(any_s3env: S3Env) -> None:
+    """A reader moving forward through an object (reads of 1.5 P, as the DCP reader reads record
+    parts) finds its bytes prefetched: GETs of 4 P instead of one per read, every byte right,
+    nothing held once the object was read through."""
+    data = _data(60 * P + 123)
+    S3Storage(any_s3env.url("pf"), **FAST).write_atomic("f", data)
+    step = 3 * P // 2
+    with FaultProxy(any_s3env.endpoint) as proxy:
+        store = S3Storage(any_s3env.url("pf"), endpoint_url=proxy.endpoint, **PREFETCH)
+        for off in range(0, len(data), step):
+            n = min(step, len(data) - off)
+            assert bytes(store.read_range("f", off, n)) == data[off : off + n]
+        reads = -(-len(data) // step)
+        assert proxy.requests["GET"] <= 3 + -(-len(data) // (4 * P))  # 2 reads before it starts, a few straddles
+        assert proxy.requests["GET"] < reads / 2
+    assert store._prefetch is not None
+    stats = store._prefetch.stats
+    assert stats["hits"] + stats["partial_hits"] >= reads - 3
+    assert store._prefetch.held_bytes() == 0
+
+
+def test_prefetch_counts_a_part_read_twice_once(s3env: S3Env) -> None:
+    """Parts of a large record each read the record's header again: those repeated reads must not
+    make an extent look read through (which would drop it before its other bytes were used)."""
+    data = _data(40 * P)
+    S3Storage(s3env.url("pf2"), **FAST).write_atomic("f", data)
+    with FaultProxy(s3env.endpoint) as proxy:
+        store = S3Storage(s3env.url("pf2"), endpoint_url=proxy.endpoint, **PREFETCH)
+        assert bytes(store.read_range("f", 0, P)) == data[:P]
+        assert bytes(store.read_range("f", P, P)) == data[P : 2 * P]  # prefetch starts here
+        before = proxy.requests["GET"]
+        for off in range(2 * P, 6 * P, P):
+            for _ in range(4):  # a "header" read again and again
+                assert bytes(store.read_range("f", 2 * P, 100)) == data[2 * P : 2 * P + 100]
+            assert bytes(store.read_range("f", off, P)) == data[off : off + P]
+        assert proxy.requests["GET"] == before  # every read above came from prefetched extents
+
+
+def test_prefetch_is_not_started_by_random_reads(s3env: S3Env) -> None:
+    data = _data(80 * P)
+    S3Storage(s3env.url("pf3"), **FAST).write_atomic("f", data)
+    store = S3Storage(s3env.url("pf3"), **{**PREFETCH, "prefetch_window": 4 * P})
+    rng = np.random.default_rng(3)
+    for off in rng.permutation(np.arange(0, 80 * P - 1000, 7 * P))[:8]:
+        off = int(off)
+        assert bytes(store.read_range("f", off, 1000)) == data[off : off + 1000]
+    assert store._prefetch is not None and store._prefetch.stats["extents"] == 0
+
+
+def test_prefetch_forget_cached_reads_the_store_again(s3env: S3Env) -> None:
+    """A re-read after a CRC mismatch (forget_cached) must fetch from S3, not serve the bytes
+    prefetched before; replacing the object through the storage drops them too."""
+    data = _data(30 * P)
+    store = S3Storage(s3env.url("pf4"), **{**FAST, **PREFETCH})
+    store.write_atomic("f", data)
+    assert bytes(store.read_range("f", 0, P)) == data[:P]
+    assert bytes(store.read_range("f", P, P)) == data[P : 2 * P]
+    assert store._prefetch is not None and store._prefetch.held_bytes() > 0
+    # Another writer replaces the object behind this storage's back.
+    newer = _data(30 * P, seed=9)
+    S3Storage(s3env.url("pf4"), **FAST).write_atomic("f", newer)
+    store.forget_cached()
+    assert store._prefetch.held_bytes() == 0
+    assert bytes(store.read_range("f", 2 * P, P)) == newer[2 * P : 3 * P]
+    store.write_atomic("f", data)  # through this storage: its extents of "f" go
+    assert bytes(store.read_range("f", 3 * P, P)) == data[3 * P : 4 * P]
+
+
+def test_prefetch_failures_fall_back_to_the_reads_own_requests(s3env: S3Env) -> None:
+    """A prefetch GET that fails is dropped quietly; the read makes its own request (with nvdcp's
+    retries), and a read past the end still raises TruncatedCheckpointError."""
+    data = _data(20 * P + 5)
+    S3Storage(s3env.url("pf5"), **FAST).write_atomic("f", data)
+    plan = FaultPlan(every=2, kinds=("503", "cut", "reset"), max_faults=6, match=lambda method, path: method == "GET")
+    with FaultProxy(s3env.endpoint, plan) as proxy:
+        store = S3Storage(
+            s3env.url("pf5"), endpoint_url=proxy.endpoint, max_attempts=1, part_retries=8, retry_backoff_s=0.001,
+            retry_backoff_max_s=0.01, **PREFETCH,
+        )
+        got = b"".join(bytes(store.read_range("f", off, min(P, len(data) - off))) for off in range(0, len(data), P))
+    assert got == data
+    with pytest.raises(TruncatedCheckpointError):
+        store.read_range("f", len(data) - 10, 20)
+
+
+def test_prefetcher_assembles_reads_across_extents() -> None:
+    """The Prefetcher alone (no S3): a read spanning extents is copied together, a read inside
+    one is a view, the rest past the extents comes from the exact reader, fetches are shared."""
+    import concurrent.futures as cf
+
+    from nvdcp.storage.prefetch import Prefetcher
+
+    blob = bytes(range(256)) * 400  # 102,400 bytes
+    fetched: list[tuple[int, int]] = []
+
+    def fetch(start: int, n: int) -> bytearray:
+        fetched.append((start, n))
+        return bytearray(blob[start : start + n])
+
+    with cf.ThreadPoolExecutor(2) as pool:
+        pf = Prefetcher(part=10_000, window=30_000, submit=pool.submit)
+        pf.learn_size("k", len(blob))
+        assert pf.read("k", 0, 5000, fetch, lambda s, n: blob[s : s + n]) is None  # history only
+        assert pf.read("k", 5000, 5000, fetch, lambda s, n: blob[s : s + n]) is None  # starts prefetching
+        assert fetched and fetched[0][0] == 10_000
+        inside = pf.read("k", 10_000, 4000, fetch, lambda s, n: blob[s : s + n])
+        assert isinstance(inside, memoryview) and bytes(inside) == blob[10_000:14_000]
+        across = pf.read("k", 14_000, 12_000, fetch, lambda s, n: blob[s : s + n])
+        assert bytes(across) == blob[14_000:26_000]
+        tail = pf.read("k", 99_000, 3400, fetch, lambda s, n: blob[s : s + n])
+        assert tail is None or bytes(tail) == blob[99_000:]
+        assert len(set(fetched)) == len(fetched)  # no extent fetched twice
+        pf.forget()
+        assert pf.held_bytes() == 0
+
+
+def test_storages_of_one_config_share_one_client(s3env: S3Env) -> None:
+    """Building a boto3 client costs 0.15-0.2 s of CPU (botocore's service model): every writer
+    and reader of one process and configuration reuses one; another configuration gets its own."""
+    a, b = S3Storage(s3env.url("c1")), S3Storage(s3env.url("c2"))
+    assert a.client is b.client
+    assert S3Storage(s3env.url("c3"), max_attempts=2).client is not a.client
+    assert a.client.meta.config.s3["payload_signing_enabled"] is False  # integrity: nvdcp's checksum header

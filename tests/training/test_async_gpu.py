@@ -176,3 +176,117 @@ def test_staged_records_equal_the_writers_across_many_buckets(tmp_path: Path) ->
     # Only stored bytes are kept: granule padding and segment tails stay small.
     assert buffers.pinned_bytes <= stats.staged_bytes * 1.02 + buffers.segment_bytes
     stager.close()
+
+
+# -- overlapped staging (issue 14) ------------------------------------------------------------
+def _write_in_place(model: GPT, optim: torch.optim.Optimizer) -> None:
+    """What a training step does to the state, queued on the current stream: every parameter
+    and every AdamW moment overwritten in place."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-3.0).add_(1.0)
+        for state in optim.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor) and v.is_floating_point():
+                    v.add_(7.0)
+
+
+def test_overlapped_staging_returns_first_and_keeps_the_save_step_state(tmp_path: Path) -> None:
+    """async_save returns before the snapshot is even taken (the stream is busy); the next step
+    writes every tensor in place before staging_completion is awaited; the checkpoint holds the
+    state at the call, bit for bit."""
+    from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+    model, optim = _trained()
+    sd = _state(model, optim)
+    want = _snapshot(sd)
+    stager = NvcompStager(async_staging=True)
+    torch.cuda._sleep(200_000_000)  # the stream is busy: nothing queued after this has run yet
+    response = dcp.async_save(sd, storage_writer=nvdcp.NvcompWriter(tmp_path), async_stager=stager)
+    assert isinstance(response, AsyncSaveResponse)
+    assert not response.staging_completion.done()  # returned before compression (and the snapshot)
+    _write_in_place(model, optim)  # before the staging wait
+    _step(model, optim, stdlib_bytes(1 << 20), 99)
+    response.staging_completion.result()
+    response.upload_completion.result()
+    stats = stager.last_stats
+    assert stats is not None and stats.snapshot_bytes >= stats.raw_bytes and stats.sync_shards == 0
+    assert stats.gpu_shards > 0 and 0 < stats.staged_bytes < stats.raw_bytes
+    assert stats.seconds < stats.snapshot_seconds  # the call returned before the snapshot was done
+    _assert_same(_load_like(want, tmp_path, CUDA), want)
+    _assert_same(_load_like(want, tmp_path, torch.device("cpu"), gpu=GpuConfig(decode_device="cpu")), want)
+    stager.close()
+
+
+def test_overlapped_saves_never_waited_for_stay_exact(tmp_path: Path) -> None:
+    """A loop that never awaits staging_completion (nor the upload) before the next step and
+    the next save: writes on the current stream are ordered after the snapshot, and the second
+    save waits for the first one's buffers; both checkpoints hold their own step's state."""
+    model, optim = _trained()
+    stager = NvcompStager(async_staging=True)
+    wants, responses = [], []
+    for i in range(3):
+        sd = _state(model, optim)
+        wants.append(_snapshot(sd))
+        responses.append(dcp.async_save(sd, storage_writer=nvdcp.NvcompWriter(tmp_path / str(i)), async_stager=stager))
+        _write_in_place(model, optim)
+        _step(model, optim, stdlib_bytes(1 << 20), 100 + i)
+    for i, r in enumerate(responses):
+        r.upload_completion.result()
+        _assert_same(_load_like(wants[i], tmp_path / str(i), CUDA), wants[i])
+    stager.close()
+
+
+def test_snapshot_budget_overflow_is_staged_before_the_call_returns(tmp_path: Path) -> None:
+    model, optim = _trained()
+    sd = _state(model, optim)
+    want = _snapshot(sd)
+    stager = NvcompStager(async_staging=True, snapshot_bytes=2 * MiB)
+    response = dcp.async_save(sd, storage_writer=nvdcp.NvcompWriter(tmp_path), async_stager=stager)
+    _write_in_place(model, optim)
+    response.staging_completion.result()
+    response.upload_completion.result()
+    stats = stager.last_stats
+    assert stats is not None and stats.sync_shards > 0 and 0 < stats.snapshot_bytes <= 2 * MiB
+    _assert_same(_load_like(want, tmp_path, CUDA), want)
+    stager.close()
+
+
+def test_warm_up_removes_the_first_save_penalty(tmp_path: Path) -> None:
+    model, optim = _trained()
+    stager = NvcompStager(async_staging=True, buffer_bytes=512 * MiB)
+    warm = stager.warm_up(_state(model, optim))
+    assert warm.grown_bytes > 0 and warm.pinned_bytes > 0
+    for i in range(2):
+        sd = _state(model, optim)
+        want = _snapshot(sd)
+        response = dcp.async_save(sd, storage_writer=nvdcp.NvcompWriter(tmp_path / str(i)), async_stager=stager)
+        response.staging_completion.result()
+        _step(model, optim, stdlib_bytes(1 << 20), 200 + i)
+        response.upload_completion.result()
+        stats = stager.last_stats
+        assert stats is not None and stats.grown_bytes <= 8 * MiB  # at most one more segment
+        # Pinned memory is about the compressed size of the state.
+        assert stats.pinned_bytes <= stats.staged_bytes * 1.02 + 8 * MiB
+        _assert_same(_load_like(want, tmp_path / str(i), CUDA), want)
+    stager.close()
+
+
+def test_overlapped_staging_in_process_mode(tmp_path: Path) -> None:
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(free_port())
+    dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1)
+    stager = NvcompStager(async_staging=True)
+    try:
+        model, optim = _trained()
+        sd = _state(model, optim)
+        want = _snapshot(sd)
+        response = dcp.async_save(sd, storage_writer=nvdcp.NvcompWriter(tmp_path), async_stager=stager,
+                                  async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+        _write_in_place(model, optim)
+        response.staging_completion.result()
+        response.upload_completion.result()
+        _assert_same(_load_like(want, tmp_path, CUDA), want)
+    finally:
+        stager.close()
+        dist.destroy_process_group()

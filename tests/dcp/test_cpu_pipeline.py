@@ -1,0 +1,207 @@
+"""The CPU load pipeline (batched reads, one CRC call per batch, decoding straight into the
+destination tensors, large records in parts) and the batched save path: bit-exact round trips
+of odd items, and corruption still detected and named."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+import nvdcp
+from nvdcp.dcp import reader as reader_module
+from nvdcp.pipeline import encoder as encoder_module
+from tests.conftest import bit_equal, random_tensor, weights_like
+from tests.dcp.helpers import empty_like_sd, failure_of, load, save
+
+pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+
+
+def _odd_state() -> dict[str, Any]:
+    """Many small items of every kind the CPU path special-cases."""
+    sd: dict[str, Any] = {f"small.{i}": weights_like((37 + i,), seed=i) for i in range(40)}
+    sd.update({
+        "bf16": weights_like((300, 7), seed=50).to(torch.bfloat16),
+        "int64": random_tensor(torch.int64, (1000,), seed=51),
+        "bool": random_tensor(torch.bool, (333,), seed=52),
+        "complex": torch.randn(200, dtype=torch.complex64, generator=torch.Generator().manual_seed(53)),
+        "scalar": torch.tensor(3.25),
+        "empty": torch.empty(0, 5),
+        "non_contiguous": weights_like((64, 48), seed=54).t(),
+        "multi_block": weights_like((70_000,), seed=55),  # 5 blocks of 64 Ki elements x 4 planes
+        "blob": io.BytesIO(b"bytes item " * 1000),
+        "extra": {"step": 7, "note": "pickled"},
+    })
+    return sd
+
+
+def _check(sd: dict[str, Any], back: dict[str, Any]) -> None:
+    for key, value in sd.items():
+        if isinstance(value, torch.Tensor):
+            assert bit_equal(back[key], value), key
+        elif isinstance(value, io.BytesIO):
+            assert back[key].getvalue() == value.getvalue(), key
+        else:
+            assert back[key] == value, key
+
+
+def _fresh(sd: dict[str, Any]) -> dict[str, Any]:
+    out = empty_like_sd(sd)
+    out["blob"] = io.BytesIO()
+    return out
+
+
+def test_odd_items_round_trip_bit_exact(tmp_path: Path) -> None:
+    sd = _odd_state()
+    save(sd, tmp_path)
+    back = _fresh(sd)
+    load(back, tmp_path)
+    _check(sd, back)
+
+
+def test_small_batches_and_parts_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tiny batch and part sizes: every batch boundary and every part of a record is exercised."""
+    monkeypatch.setattr(reader_module, "CPU_BATCH_BYTES", 3000)
+    monkeypatch.setattr(reader_module, "CPU_BATCH_ITEMS", 3)
+    monkeypatch.setattr(reader_module, "CPU_SEGMENT_BYTES", 100_000)
+    sd = _odd_state()
+    save(sd, tmp_path)
+    back = _fresh(sd)
+    reader = load(back, tmp_path)
+    _check(sd, back)
+    assert reader.last_report is not None and reader.last_report.raw_bytes > 0
+
+
+def test_destination_that_is_not_dense_is_filled_through_a_copy(tmp_path: Path) -> None:
+    sd = {"w": weights_like((64, 32), seed=1), "v": weights_like((1000,), seed=2)}
+    save(sd, tmp_path)
+    base = torch.zeros(32, 64)
+    back = {"w": base.t(), "v": torch.zeros(1000)}  # a transposed view: not decoded in place
+    load(back, tmp_path)
+    assert bit_equal(back["w"], sd["w"]) and bit_equal(back["v"], sd["v"])
+
+
+def test_partial_load_reads_past_the_items_it_skips(tmp_path: Path) -> None:
+    sd = {f"p{i}": weights_like((100 + i,), seed=i) for i in range(30)}
+    save(sd, tmp_path)
+    back = {k: torch.zeros_like(v) for k, v in sd.items() if int(k[1:]) % 3 == 0}
+    load(back, tmp_path)
+    for key, value in back.items():
+        assert bit_equal(value, sd[key])
+
+
+def test_thread_count_one(tmp_path: Path) -> None:
+    sd = _odd_state()
+    save(sd, tmp_path)
+    back = _fresh(sd)
+    load(back, tmp_path, thread_count=1)
+    _check(sd, back)
+
+
+def _item_span(path: Path, fqn: str) -> tuple[Path, int, int]:
+    md = nvdcp.NvcompReader(path).read_metadata()
+    for index, info in md.storage_data.items():
+        if index.fqn == fqn:
+            return path / info.relative_path, info.offset, info.length
+    raise KeyError(fqn)
+
+
+def _load_error(path: Path, sd: dict[str, Any]) -> BaseException:
+    with pytest.raises((CheckpointException, nvdcp.NvdcpError)) as info:
+        load(_fresh(sd), path)
+    return failure_of(info.value)
+
+
+@pytest.mark.parametrize("fqn", ["small.17", "multi_block", "blob"])
+@pytest.mark.parametrize("parts", [False, True])
+def test_flipped_payload_byte_names_file_item_and_chunk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fqn: str, parts: bool
+) -> None:
+    if parts:
+        monkeypatch.setattr(reader_module, "CPU_SEGMENT_BYTES", 100_000)
+    sd = _odd_state()
+    save(sd, tmp_path)
+    f, off, length = _item_span(tmp_path, fqn)
+    data = bytearray(f.read_bytes())
+    data[off + length - 7] ^= 0x04
+    f.write_bytes(data)
+    err = _load_error(tmp_path, sd)
+    assert isinstance(err, nvdcp.CorruptCheckpointError)
+    msg = str(err)
+    assert f.name in msg and repr(fqn) in msg and "chunk" in msg and "checksum mismatch" in msg, msg
+    assert "re-reads" in msg  # damage that stays is read again before it is reported
+
+
+@pytest.mark.parametrize("fqn", ["small.3", "multi_block"])
+def test_flipped_header_byte_names_the_item(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fqn: str) -> None:
+    monkeypatch.setattr(reader_module, "CPU_SEGMENT_BYTES", 100_000)
+    sd = _odd_state()
+    save(sd, tmp_path)
+    f, off, _ = _item_span(tmp_path, fqn)
+    data = bytearray(f.read_bytes())
+    data[off + 30] ^= 0x01
+    f.write_bytes(data)
+    err = _load_error(tmp_path, sd)
+    assert isinstance(err, nvdcp.CorruptCheckpointError)
+    assert f.name in str(err) and repr(fqn) in str(err)
+
+
+def test_metadata_shape_mismatch_is_caught(tmp_path: Path) -> None:
+    """.metadata and the item header disagree: refused, naming the item (not decoded in place)."""
+    save({"w": weights_like((10, 10))}, tmp_path)
+    reader = nvdcp.NvcompReader(tmp_path)
+    md = reader.read_metadata()
+    reader.set_up_storage_reader(md, True)
+    index = next(iter(md.storage_data))
+    assert reader._cpu_item(index, reader_module._CpuPlan({}, {}, None)).shape == (10, 10)
+    reader._chunks = {(index.fqn, tuple(index.offset or ())): (torch.float32, (5, 20))}
+    with pytest.raises(nvdcp.CorruptCheckpointError, match=r"'w'.*stored shape \(10, 10\) does not match"):
+        reader._load_cpu_batch(reader_module._CpuBatch([reader._cpu_item(index, reader_module._CpuPlan({}, {}, None))],
+                                                       md.storage_data[index].offset + md.storage_data[index].length),
+                               nvdcp.report.Report("load", "x"))
+
+
+def test_truncated_file_names_file_and_item(tmp_path: Path) -> None:
+    sd = _odd_state()
+    save(sd, tmp_path)
+    f, _, _ = _item_span(tmp_path, "small.0")
+    f.write_bytes(f.read_bytes()[:-10])
+    err = _load_error(tmp_path, sd)
+    assert isinstance(err, nvdcp.TruncatedCheckpointError)
+    assert f.name in str(err)
+
+
+def test_save_batches_small_items_into_few_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small records are written in batches, large ones directly; offsets stay right."""
+    from nvdcp.storage import local
+
+    calls = []
+    original = local._LocalWriteStream.writelines
+
+    def counting(self: Any, parts: Any) -> None:
+        calls.append(1)
+        original(self, parts)
+
+    monkeypatch.setattr(local._LocalWriteStream, "writelines", counting)
+    sd = {f"p{i}": weights_like((50,), seed=i) for i in range(500)}
+    sd["big"] = weights_like((200_000,), seed=9)
+    save(sd, tmp_path)
+    assert len(calls) < 10
+    back = empty_like_sd(sd)
+    load(back, tmp_path)
+    _check(sd, back)
+
+
+def test_small_item_encodes_match_one_at_a_time(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Batching small items on the pool stores the same bytes as encoding them one by one."""
+    sd = {f"p{i}": weights_like((300,), seed=i) for i in range(100)}
+    save(sd, tmp_path / "batched")
+    monkeypatch.setattr(encoder_module, "SMALL_ITEM_BYTES", 0)  # every item alone, as before
+    save(sd, tmp_path / "single")
+    a = nvdcp.NvcompReader(tmp_path / "batched").read_metadata().storage_data
+    b = nvdcp.NvcompReader(tmp_path / "single").read_metadata().storage_data
+    assert [(k.fqn, v.length) for k, v in a.items()] == [(k.fqn, v.length) for k, v in b.items()]

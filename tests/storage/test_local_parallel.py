@@ -1,0 +1,69 @@
+"""Large local reads and writes go out as slices from several threads: same bytes, same offsets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nvdcp.errors import TruncatedCheckpointError
+from nvdcp.storage import local
+from nvdcp.storage.local import LocalStorage
+
+
+@pytest.fixture
+def small_slices(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(local, "PARALLEL_MIN_BYTES", 1 << 16)
+    monkeypatch.setattr(local, "PARALLEL_SLICE_BYTES", 1 << 12)
+    monkeypatch.setattr(local, "IO_THREADS", 4)
+
+
+@pytest.mark.usefixtures("small_slices")
+def test_split_covers_every_byte_in_order() -> None:
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, 256, 50_000_000 // 7, dtype=np.uint8)
+    sizes = rng.integers(0, 3 << 20, 20)
+    views, pos = [], 0
+    mv = memoryview(data)
+    for n in sizes:
+        views.append(mv[pos : pos + int(n)])
+        pos = min(len(data), pos + int(n))
+    total = sum(len(v) for v in views)
+    runs = local._split(views, total)
+    assert 1 < len(runs) <= local.IO_THREADS
+    assert runs[0][0] == 0
+    joined = b"".join(bytes(v) for _, run in runs for v in run)
+    assert joined == b"".join(bytes(v) for v in views)
+    for (at, run), (nxt, _) in zip(runs, runs[1:]):
+        assert at + sum(len(v) for v in run) == nxt
+
+
+@pytest.mark.usefixtures("small_slices")
+def test_parallel_write_and_read_round_trip(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    storage = LocalStorage(tmp_path)
+    stream = storage.create("f")
+    expected = bytearray()
+    for n in (10, 300_000, 7, 1 << 20):
+        parts = [rng.integers(0, 256, int(k), dtype=np.uint8).tobytes() for k in rng.integers(1, 40_000, n // 20_000 + 1)]
+        stream.writelines(parts)
+        expected += b"".join(parts)
+        assert stream.tell() == len(expected)
+    big = rng.integers(0, 256, 500_000, dtype=np.uint8)
+    stream.write(big)
+    expected += big.tobytes()
+    stream.commit()
+    assert (tmp_path / "f").read_bytes() == bytes(expected)
+    assert bytes(storage.read_range("f", 5, len(expected) - 5)) == bytes(expected[5:])
+    bufs = [bytearray(k) for k in (3, 200_000, 0, 90_001, 123_456)]
+    storage.read_into("f", 11, [memoryview(b) for b in bufs])
+    assert b"".join(bufs) == bytes(expected[11 : 11 + sum(len(b) for b in bufs)])
+
+
+@pytest.mark.usefixtures("small_slices")
+def test_parallel_read_past_the_end_is_truncation(tmp_path: Path) -> None:
+    (tmp_path / "f").write_bytes(b"x" * 200_000)
+    storage = LocalStorage(tmp_path)
+    with pytest.raises(TruncatedCheckpointError):
+        storage.read_into("f", 0, [memoryview(bytearray(150_000)), memoryview(bytearray(100_000))])
