@@ -2,8 +2,9 @@
 
 ``nvdcp.codecs._gdeflate_guard`` keeps a malformed GDeflate stream from aborting the process
 (docs/SECURITY.md); ``nvdcp.format._crc32c_batch`` checksums many chunks in one call, on several
-threads (nvdcp/format/crc.py). Both are optional: without a C++ compiler the build warns, skips
-them, and nvdcp calls nvCOMP's CPU decoder directly and checksums with the crc32c package.
+threads (nvdcp/format/crc.py), and splits and merges byte planes (nvdcp/pipeline/cpu.py). Both
+are optional: without a C++ compiler the build warns, skips them, and nvdcp calls nvCOMP's CPU
+decoder directly, checksums with the crc32c package and moves byte planes with numpy.
 """
 
 from setuptools import Extension, setup
@@ -21,7 +22,7 @@ setup(
             "nvdcp.format._crc32c_batch",
             sources=["nvdcp/format/_crc32c_batch.cpp"],
             language="c++",
-            extra_compile_args=["-O2", "-std=c++17", "-pthread"],
+            extra_compile_args=["-O3", "-std=c++17", "-pthread"],
             extra_link_args=["-pthread"],
             optional=True,
         ),

@@ -46,6 +46,11 @@ class Codec(ABC):
         """Raise :class:`~nvdcp.errors.CodecUnavailableError` when this machine cannot run the
         CPU implementation (no implementation, or its library is missing)."""
 
+    def for_sparse_planes(self) -> Codec:
+        """The instance to encode float sign+exponent planes with (near-iid bytes of low
+        entropy): a variant tuned for them that writes the same bitstream format, or ``self``."""
+        return self
+
     @abstractmethod
     def encode(self, chunk: Buffer) -> bytes:
         """Compress one chunk into a self-contained bitstream."""

@@ -48,9 +48,11 @@ METADATA_NAME = ".metadata"
 #: Largest ``.metadata`` read. DCP's pickle takes about 200 bytes per item: a 7B model's FSDP2
 #: save on 16,384 ranks (14.3 million items) is 2.8 GB, past the 2 GiB this was (docs/SCALE.md).
 MAX_METADATA_BYTES = 1 << 34
-#: Above this ``.metadata`` size (about 80k items), :func:`load_metadata` runs one full garbage
-#: collection after unpickling with the collector paused.
-COLLECT_AFTER_BYTES = 16 << 20
+#: :func:`load_metadata` runs one full garbage collection after unpickling (with the collector
+#: paused) when the new objects are more than this share of the process's memory blocks: about
+#: when CPython's own rule (objects promoted since the last full pass > a quarter of those that
+#: survived it) would start one during whatever runs next (docs/SCALE.md).
+COLLECT_ABOVE_SHARE = 0.2
 #: Largest offset or length a storage record may hold (S3 objects stop at 5 TiB).
 MAX_RECORD_BYTES = 1 << 62
 
@@ -155,7 +157,7 @@ def load_metadata(storage: Storage, *, allow_paths: bool = False) -> Metadata:
     if len(blob) > MAX_METADATA_BYTES:
         raise CorruptCheckpointError(f"{where}: {len(blob)} bytes is implausibly large")
     check_memo_indices(blob, where)
-    collect = gc.isenabled() and len(blob) >= COLLECT_AFTER_BYTES
+    blocks_before = sys.getallocatedblocks()
     with gc_paused():
         try:
             unpickler = _StockMetadataUnpickler if allow_paths else _MetadataUnpickler
@@ -165,12 +167,20 @@ def load_metadata(storage: Storage, *, allow_paths: bool = False) -> Metadata:
         if not isinstance(metadata, Metadata):
             raise CorruptCheckpointError(f"{where}: holds {type(metadata).__name__}, not Metadata")
         check_records(metadata, where)
-    if collect:
+    if gc.isenabled() and _collect_now(blocks_before, sys.getallocatedblocks()):
         # The objects just built are all young: left so, the collector's next passes (two young
-        # ones, then a full one) would walk them all during whatever runs next. One full pass
-        # now costs less and leaves them old (docs/SCALE.md).
+        # ones, then a full one) would walk them all during whatever runs next (a rank's load
+        # plan ran 2x slower at 64 ranks). One full pass now costs less and leaves them old.
         gc.collect()
     return metadata
+
+
+def _collect_now(blocks_before: int, blocks_after: int) -> bool:
+    """Whether the objects a ``.metadata`` just added (in pymalloc blocks: O(1) to count) would
+    soon start a full collection anyway. A small one in a large process (a training job's heap)
+    is left to the young passes: a full pass would walk the whole heap for it."""
+    added = blocks_after - blocks_before
+    return added > COLLECT_ABOVE_SHARE * blocks_after
 
 
 @contextmanager

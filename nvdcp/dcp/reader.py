@@ -385,10 +385,16 @@ class NvcompReader(StorageReader):
         targets.pop(reqs[0].storage_index, None)
         if target.is_cuda:
             # One request for the whole stored tensor: decode straight into it (see _gpu_batches).
-            _, shape = self._expected(reqs[0].storage_index)
+            # Its flat bytes are found here, on the calling thread before any I/O thread runs:
+            # torch calls on the I/O threads wait on the GIL behind the others (measured on the
+            # H200: a third of a small-tensor load in one reshape/view per item).
+            dtype, shape = self._expected(reqs[0].storage_index)
             if len(reqs) == 1 and shape is not None and not any(reqs[0].storage_offsets) \
                     and tuple(reqs[0].lengths) == shape:
-                targets[reqs[0].storage_index] = target.detach()
+                whole = target.detach()
+                flat = _flat_gpu_destination(whole, dtype, shape)
+                if flat is not None:
+                    targets[reqs[0].storage_index] = (whole, flat)
             return target.device
         if self.gpu.decode_device == "cpu":
             return None
@@ -437,65 +443,58 @@ class NvcompReader(StorageReader):
     @_rereads
     def _load_gpu_batch(
         self, indexes: list[MetadataIndex], device: torch.device, report: Report,
-        targets: Sequence[torch.Tensor | None] | None = None,
+        targets: Sequence[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
     ) -> list[tuple[MetadataIndex, ItemHeader, Any]]:
         """Fetch and check several items' headers on the host, then read their chunks into pinned
         staging and copy, check (CRC32C) and decode them together on ``device``, in overlapped passes.
 
-        ``targets[i]`` (optional): the planner's tensor for item ``i`` when one request wants the
-        whole stored tensor, resolved by the caller. When it is a contiguous tensor on ``device``
-        of the stored dtype and shape, the item is decoded straight into it and comes back as
-        ``_InPlace(target)`` (only the commit is left); otherwise as a flat uint8 CUDA tensor.
+        ``targets[i]`` (optional): ``(tensor, flat)`` for item ``i`` when one request wants the
+        whole stored tensor and the planner's tensor is a dense tensor of the stored dtype and
+        shape (``flat``: its bytes, see :func:`_flat_gpu_destination`), resolved by the caller.
+        When it is on ``device`` and its size matches the header, the item is decoded straight
+        into it and comes back as ``_InPlace(tensor)`` (only the commit is left); otherwise as a
+        flat uint8 CUDA tensor.
         """
         from nvdcp.gpu.decoder import DecodeRequest
 
         if targets is None and isinstance(indexes, _GpuBatch):
             targets = indexes.targets
-
-        def flat_target(target: torch.Tensor | None, dtype: torch.dtype | None, shape: tuple[int, ...] | None,
-                        raw_nbytes: int) -> torch.Tensor | None:
-            if target is None or type(target) is not torch.Tensor or target.dtype != dtype or shape is None:
-                return None
-            if target.device != device or tuple(target.shape) != shape or not target.is_contiguous():
-                return None
-            if target.is_conj() or target.is_neg():
-                return None
-            try:
-                flat = target.reshape(-1).view(torch.uint8)
-            except RuntimeError:
-                return None
-            return flat if flat.numel() == raw_nbytes else None
-
         requests = []
         placed: list[torch.Tensor | None] = []
         t0 = time.perf_counter()
         stored = 0
-        places = [self.record_of(index) for index in indexes]
+        places = [self._place(index) for index in indexes]
         # Small records come in one read per run of nearby records (two opens and reads per item
         # cost more than decoding it); large ones read their header, then their chunks straight
         # into pinned staging.
         in_memory = self._read_record_runs(places)
+        # Per item: the header parsed and checked, nothing else (no torch calls: destinations were
+        # resolved on the calling thread; error text is built only when an error is raised).
         for i, index in enumerate(indexes):
             name, offset, length = places[i]
-            where = self.where(index)
+            where = _LazyWhere(self, index)
             rec = in_memory[i]
             payload = None
             if rec is not None:
-                header = _header_in(rec, where)
+                header, table = _header_and_table(rec, where)  # type: ignore[arg-type]
                 payload = np.frombuffer(rec, dtype=np.uint8)[header.header_bytes :]
             else:
-                header = self._read_header(name, offset, length, where)
+                header = self._read_header(name, offset, length, where)  # type: ignore[arg-type]
+                table = None  # built by the decoder from the header
             stored += length
             dtype, shape = self._expected(index)
             element_size = _element_size(dtype)
             if header.transform and header.n_planes != element_size:
                 raise CorruptCheckpointError(f"{where}: {header.n_planes} byte planes for {element_size}-byte elements")
-            self._check_against_metadata(header, dtype, shape, element_size, where)
-            target = targets[i] if targets is not None else None
-            out = flat_target(target, dtype, shape, header.raw_nbytes) if target is not None else None
-            placed.append(target if out is not None else None)
+            self._check_against_metadata(header, dtype, shape, element_size, where)  # type: ignore[arg-type]
+            found = targets[i] if targets is not None else None
+            out = None
+            whole = None
+            if found is not None and found[0].device == device and found[1].numel() == header.raw_nbytes:
+                whole, out = found
+            placed.append(whole)
             fill = None if payload is not None else self._chunk_filler(name, offset, header)
-            requests.append(DecodeRequest(header, dtype, where, payload=payload, fill=fill, out=out))
+            requests.append(DecodeRequest(header, dtype, where, payload=payload, fill=fill, out=out, table=table))
         t1 = time.perf_counter()
         # reads, host-to-device copies, checks and decodes of the batch's passes overlap (GpuDecoder)
         outs = self._gpu_decoder(device).decode_many(requests)
@@ -505,6 +504,12 @@ class NvcompReader(StorageReader):
             (ix, r.header, _InPlace(target) if target is not None else out)
             for ix, r, out, target in zip(indexes, requests, outs, placed)
         ]
+
+    def _place(self, index: MetadataIndex) -> tuple[str, int, int]:
+        """:meth:`record_of` with the descriptor check done once per distinct descriptor."""
+        info = self._record(index)
+        self._check_descriptor(info, index)
+        return info.relative_path, info.offset, info.length
 
     def _read_record_runs(self, places: list[tuple[str, int, int]]) -> list[memoryview | None]:
         """Records of at most ``RUN_RECORD_BYTES`` read in runs: one read per stretch of a file
@@ -550,13 +555,13 @@ class NvcompReader(StorageReader):
         return header
 
     def _chunk_filler(self, name: str, offset: int, header: ItemHeader) -> Callable[[int, list[memoryview]], None]:
-        starts = [0]
-        for size, _ in header.chunks:
-            starts.append(starts[-1] + size)
+        sizes = np.asarray(header.chunks, dtype=np.int64).reshape(-1, 2)[:, 0]
+        starts = np.zeros(len(sizes) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=starts[1:])
         payload_at = offset + header.header_bytes
 
         def fill(first_chunk: int, buffers: list[memoryview]) -> None:
-            self.storage.read_into(name, payload_at + starts[first_chunk], buffers)
+            self.storage.read_into(name, payload_at + int(starts[first_chunk]), buffers)
 
         return fill
 
@@ -573,7 +578,7 @@ class NvcompReader(StorageReader):
             if device not in limits:
                 limits[device] = self.gpu.gpu_budget(device) // (2 * self.thread_count)
             limit = limits[device]
-            size = self.record_of(index)[2]
+            size = self._place(index)[2]
             items, total = open_.get(device, ([], 0))
             if items and (total + size > limit or len(items) >= MAX_GPU_BATCH_ITEMS):
                 batches.append((device, items))
@@ -870,27 +875,50 @@ RUN_BYTES = 64 << 20
 
 def _header_in(rec: memoryview, where: str) -> ItemHeader:
     """An in-memory record's header, checked as ``NvcompReader._read_header`` checks it."""
-    size = item_header_size(rec[:HEADER_PREFIX_BYTES], where)
+    return _header_and_table(rec, where)[0]
+
+
+def _header_and_table(rec: memoryview, where: str) -> tuple[ItemHeader, tuple[np.ndarray, np.ndarray]]:
+    """:func:`_header_in`, and the record's chunk table as arrays read in place (stored sizes
+    int64, CRC32Cs uint32): the GPU path's per-item host work is this and the checks against
+    ``.metadata``, nothing per chunk in Python."""
+    size = item_header_size(rec, where)
     if size > len(rec):
         raise CorruptCheckpointError(f"{where}: header of {size} bytes in a record of {len(rec)}")
     header = parse_item_header_only(rec, where)
-    if header.header_bytes + header.stored_nbytes != len(rec):
-        raise CorruptCheckpointError(
-            f"{where}: chunks hold {header.stored_nbytes} bytes, record has {len(rec) - header.header_bytes}"
-        )
-    return header
+    table = chunk_table(rec, header)
+    stored = int(table[0].sum())
+    if header.header_bytes + stored != len(rec):
+        raise CorruptCheckpointError(f"{where}: chunks hold {stored} bytes, record has {len(rec) - header.header_bytes}")
+    return header, table
 
 
 class _GpuBatch(list):  # type: ignore[type-arg]
-    """A GPU batch's indexes, with each item's destination tensor (None: decoded to a new tensor)."""
+    """A GPU batch's indexes, with each item's destination (tensor, its flat bytes) when decoded
+    straight into it (None: decoded to a new tensor)."""
 
-    def __init__(self, indexes: list[MetadataIndex], targets: list[torch.Tensor | None]) -> None:
+    def __init__(self, indexes: list[MetadataIndex], targets: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         super().__init__(indexes)
         self.targets = targets
 
 
 #: Per reader: whole-tensor GPU destinations found by ``_decode_device`` for the current read_data.
-_GPU_TARGETS: weakref.WeakKeyDictionary[NvcompReader, dict[MetadataIndex, torch.Tensor]] = weakref.WeakKeyDictionary()
+_GPU_TARGETS: weakref.WeakKeyDictionary[NvcompReader, dict[MetadataIndex, tuple[torch.Tensor, torch.Tensor]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _flat_gpu_destination(target: torch.Tensor, dtype: torch.dtype | None, shape: tuple[int, ...] | None) -> torch.Tensor | None:
+    """``target``'s memory as a flat uint8 tensor when the stored tensor can be decoded straight
+    into it: a dense CUDA tensor of the stored dtype and shape (no lazy conjugation or negation)."""
+    if type(target) is not torch.Tensor or target.dtype != dtype or shape is None or not target.is_cuda:
+        return None
+    if tuple(target.shape) != shape or not target.is_contiguous() or target.is_conj() or target.is_neg():
+        return None
+    try:
+        return target.reshape(-1).view(torch.uint8)
+    except RuntimeError:
+        return None
 
 
 @dataclasses.dataclass
@@ -977,7 +1005,11 @@ class _CpuBatcher:
         self.end = 0
 
     def add(self, item: _CpuItem) -> None:
-        if item.length > CPU_SEGMENT_BYTES and item.dtype is not None and item.shape is not None:
+        if item.length > CPU_SEGMENT_BYTES and item.dtype is not None and item.shape is not None and (
+            # A record far longer than its tensor could need is damage: read as one range, so the
+            # storage refuses it against the file's size (no task per 8 MiB of a 2**60-byte claim).
+            item.length <= 2 * tensor_nbytes(item.shape, item.dtype) + CPU_SEGMENT_BYTES
+        ):
             self.flush()
             item.parts = -(-item.length // CPU_SEGMENT_BYTES)
             end = item.offset + item.length
@@ -1075,6 +1107,7 @@ def _naming_item(where: object) -> Iterator[None]:
         raise TruncatedCheckpointError(f"{where}: {exc}") from exc
 
 
+@functools.cache
 def _element_size(dtype: torch.dtype | None) -> int:
     return torch.empty((), dtype=dtype).element_size() if dtype is not None else 1
 

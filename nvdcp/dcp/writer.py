@@ -1,6 +1,7 @@
 """``NvcompWriter``: a DCP StorageWriter that compresses every item it writes.
 
-Layout on storage (docs/FORMAT.md): per rank, ``thread_count`` data files named
+Layout on storage (docs/FORMAT.md): per rank, ``thread_count`` data files (default: chosen per
+save, :func:`auto_file_count`), each written by its own thread, named
 ``__{rank}_{save}_{i}.nvdcp`` (``save`` is a token fresh for every save, so a new save never
 overwrites a file the previous ``.metadata`` points at), then ``.metadata`` written last by the
 coordinator atomically (temp file and rename on disk, one PUT on S3). Only after that commit are data files of
@@ -17,7 +18,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import os
+import queue
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -26,7 +30,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -47,6 +51,7 @@ from nvdcp.dcp.stock_items import merge_fsspec_kwargs, warn_once
 from nvdcp.errors import CheckpointExistsError, StaleSaveError
 from nvdcp.format.digest import digest_of_record_header
 from nvdcp.format.header import DEFAULT_CHUNK_BYTES
+from nvdcp.gpu import gpu_available
 from nvdcp.gpu.config import GpuConfig
 from nvdcp.pipeline.config import EncodeConfig
 from nvdcp.pipeline.cpu import EncodedItem
@@ -55,6 +60,7 @@ from nvdcp.pipeline.tensors import tensor_nbytes
 from nvdcp.report import Report
 from nvdcp.storage import Storage, open_storage
 from nvdcp.storage.base import WriteStream
+from nvdcp.storage.local import LocalStorage
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +93,37 @@ def split_into_files(items: list[WriteItem], files: int) -> list[list[WriteItem]
     return [b for b in buckets if b] or [[]]
 
 
+def _spread(items: list[tuple[WriteItem, Any]], files: int) -> tuple[list[list[tuple[WriteItem, Any]]], list[int]]:
+    """:func:`split_into_files` of ``(item, data)`` pairs over exactly ``files`` lists (some may
+    be empty), and each list's bytes."""
+    lists: list[list[tuple[WriteItem, Any]]] = [[] for _ in range(files)]
+    sizes = [0] * files
+    for pair in sorted(items, key=lambda p: _item_nbytes(p[0]), reverse=True):
+        i = sizes.index(min(sizes))
+        lists[i].append(pair)
+        sizes[i] += _item_nbytes(pair[0]) or 1
+    return lists, sizes
+
+
+#: ``thread_count=None`` on local storage: one data file per this many bytes of the rank's
+#: state, up to :data:`AUTO_MAX_FILES` and the number of cores. One file is written at ~3 GB/s
+#: on /dev/shm (the kernel serializes writes to one inode), 8 at once at ~12 GB/s (H200 host,
+#: ``python -m benchmarks.gpu_pipeline_bench``, its "files" probe, 2026-12-01).
+AUTO_FILE_BYTES = 64 << 20
+AUTO_MAX_FILES = 8
+#: Buckets of GPU records held in pinned memory at once when several files are written: records
+#: of up to this many buckets are being written while the next one is compressed.
+PARALLEL_DEPTH = 4
+
+
+def auto_file_count(storage: Storage, nbytes: int) -> int:
+    """Data files a rank writes in parallel when ``thread_count`` is left at None."""
+    if not isinstance(storage, LocalStorage):
+        return 1  # S3 and fsspec: one stream per rank (their own uploads run in parallel)
+    cap = min(AUTO_MAX_FILES, os.cpu_count() or 1)
+    return max(1, min(cap, math.ceil(nbytes / AUTO_FILE_BYTES)))
+
+
 class NvcompWriter(WriterStagingMixin, StorageWriter):
     """Writes a DCP checkpoint whose items are compressed (nvCOMP on the GPU, CPU codecs otherwise).
 
@@ -102,7 +139,12 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
             what nvdcp writes. ``False`` (stock: one file per item) is not supported: nvdcp still
             writes one file per rank and thread (warned); the checkpoint loads the same.
         sync_files: fsync data files, ``.metadata`` and the directory before the save returns.
-        thread_count: data files written in parallel per rank (as torch's FileSystemWriter).
+        thread_count: data files written in parallel per rank, one thread each (as torch's
+            FileSystemWriter). ``None`` (default): chosen per save. On local storage, one file
+            per 64 MiB of the rank's state, up to 8 and the number of cores (one file is written
+            at ~3 GB/s on /dev/shm, eight at once at ~12 GB/s); on S3 and fsspec, one. GPU items
+            are compressed by one encoder at the full GPU and pinned budgets whatever the count,
+            and their records spread over the files as they come out.
         per_thread_copy_ahead: ignored (warned when not stock's default): the GPU path bounds its
             own device-to-host traffic (:class:`~nvdcp.gpu.config.GpuConfig`).
         cache_staged_state_dict: ignored (warned when True): ``dcp.async_save`` stages through
@@ -159,7 +201,7 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
         path: str | os.PathLike[str],
         single_file_per_rank: bool = True,
         sync_files: bool = True,
-        thread_count: int = 1,
+        thread_count: int | None = None,
         per_thread_copy_ahead: int = STOCK_COPY_AHEAD,
         cache_staged_state_dict: bool = False,
         overwrite: bool = True,
@@ -184,7 +226,7 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
             )
         _warn_stock_arguments(single_file_per_rank, per_thread_copy_ahead, cache_staged_state_dict,
                               _extensions, serialization_format)
-        if thread_count < 1:
+        if thread_count is not None and thread_count < 1:
             raise ValueError(f"thread_count must be >= 1, got {thread_count}")
         self.encoding = EncodeConfig(codec, chunk_bytes, codec_threads)
         self.gpu = gpu or GpuConfig()
@@ -272,8 +314,6 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix: _FilePrefix = plan.storage_data
         started = time.perf_counter()
-        buckets = split_into_files(list(plan.items), self.thread_count)
-        names = [f"{prefix.prefix}{i}{DATA_SUFFIX}" for i in range(len(buckets))]
         report = Report("save", self.storage.url)
         # The caller's stream: GPU compression must not read tensors before it has written them.
         self._caller_event = None
@@ -283,14 +323,7 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
         self._staged = []
         self._stager_policy = None
         try:
-            if len(buckets) == 1:
-                results = self._write_file(names[0], buckets[0], planner, report)
-            else:
-                with ThreadPoolExecutor(len(buckets), thread_name_prefix="nvdcp-file") as files:
-                    futures = [
-                        files.submit(self._write_file, n, b, planner, report) for n, b in zip(names, buckets)
-                    ]
-                    results = [r for f in futures for r in f.result()]
+            results = self._write_files(prefix.prefix, list(plan.items), planner, report)
         finally:
             self._stager_policy = _stager_policy(self._staged)
             # Staged bytes are never read after this: their host buffers go back to the stager.
@@ -353,68 +386,270 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
         return supports_url(os.fspath(checkpoint_id))
 
     # -- internals -----------------------------------------------------------------------------
-    def _write_file(
-        self, name: str, items: list[WriteItem], planner: SavePlanner, report: Report
+    def _file_count(self, items: list[WriteItem]) -> int:
+        n = self.thread_count
+        if n is None:
+            n = auto_file_count(self.storage, sum(_item_nbytes(item) for item in items))
+        return max(1, min(n, len(items)))
+
+    def _write_files(
+        self, prefix: str, items: list[WriteItem], planner: SavePlanner, report: Report
     ) -> list[WriteResult]:
-        stream = self.storage.create(name)
-        results: list[WriteResult] = []
-        clock = time.perf_counter()
-        out = _RecordWriter(stream)
-        sizes = [0, 0]  # raw and stored bytes, encode and io seconds: one report.add per file
-        secs = [0.0, 0.0]
+        """Write the rank's items to its data files, one thread per file.
 
-        def write(item: WriteItem, encoded: EncodedItem) -> None:
-            nonlocal clock
-            t1 = time.perf_counter()
-            offset = out.append(encoded)
-            t2 = time.perf_counter()
-            sizes[0] += encoded.header.raw_nbytes
-            sizes[1] += encoded.nbytes
-            secs[0] += t1 - clock
-            secs[1] += t2 - t1
-            clock = t2
-            info = descriptor.storage_info(name, offset, encoded.nbytes, _descriptor_codec(encoded.header.plane_codecs))
-            results.append(
-                WriteResult(
-                    index=item.index,
-                    size_in_bytes=encoded.nbytes,
-                    # the digest is the header's own CRC32C: no pass over the data (docs/FORMAT.md)
-                    storage_data=ItemRecord(info, digest_of_record_header(encoded.header_bytes))
-                    if self._record_digests else info,
-                )
-            )
-
-        def resolved() -> Any:
-            """Items to encode; items the stager pre-encoded are written on the way."""
-            nonlocal clock
-            for item in items:
-                data = planner.resolve_data(item)
-                if isinstance(data, StagedShard):  # from NvcompStager (dcp.async_save)
-                    self._staged.append(data)
-                    if data.encoded is not None:
-                        clock = time.perf_counter()
-                        write(item, data.encoded)
-                        continue
-                    data = data.host_tensor
-                yield item, data
-
-        try:
-            out.start(data_file_header(self.rank, self.save_id))
-            if self._caller_event is not None:
-                torch.cuda.current_stream().wait_event(self._caller_event)
-            clock = time.perf_counter()
-            for item, encoded in self.encoder.encode_items(
-                resolved(), _describe_item, shares=self.thread_count,
-            ):
-                write(item, encoded)
-            t0 = time.perf_counter()
-            out.flush()
-            stream.commit()
-            report.add(sizes[0], sizes[1], encode_s=secs[0], io_s=secs[1] + time.perf_counter() - t0)
-        except BaseException:
-            stream.abort()
-            raise
+        CPU items are spread over the files up front (largest first, equal bytes) and encoded by
+        each file's thread in batches (:meth:`ItemEncoder.encode_items`). GPU items are encoded
+        by one GPU encoder per device at the full budgets, on this thread; each record goes to
+        the file with the least bytes waiting to be written (then the fewest bytes so far), and
+        the next bucket compresses while the files write the held ones.
+        """
+        n = self._file_count(items)
+        encoder = self.encoder
+        gpu_ok = gpu_available()
+        cpu: list[tuple[WriteItem, Any]] = []
+        gpu: list[tuple[WriteItem, torch.Tensor]] = []
+        for item in items:
+            if item.type == WriteItemType.BYTE_IO:
+                cpu.append((item, None))  # resolved by its file's thread (a serialized object)
+                continue
+            data = planner.resolve_data(item)
+            if isinstance(data, torch.Tensor) and encoder.uses_gpu(data, gpu_ok):
+                gpu.append((item, data))
+            else:
+                cpu.append((item, data))  # a host tensor, or a StagedShard (finished by the file's thread)
+        jobs = [encoder.gpu_job(item, t, _describe_item(item)) for item, t in gpu]
+        del gpu
+        per_file, sizes = _spread(cpu, n)
+        del cpu
+        names = [f"{prefix}{i}{DATA_SUFFIX}" for i in range(n)]
+        # Several files at once on local storage: each file's writes stay on its thread (writes
+        # to one inode serialize; slicing them over the I/O pool only adds contention).
+        max_run = SMALL_WRITE_RUN_BYTES if n > 1 and isinstance(self.storage, LocalStorage) else None
+        failed = threading.Event()  # any file (or the GPU encode) failed: every file stops
+        files = [_FileWriter(self, names[i], per_file[i], planner, report, sizes[i], max_run, failed)
+                 for i in range(n)]
+        if n == 1 and not jobs:
+            files[0].queue.put(None)  # no GPU records will come
+            self._write_file(files[0])  # nothing to overlap with: this thread writes the file
+            if files[0].error is not None:
+                raise files[0].error
+            return files[0].results
+        with ThreadPoolExecutor(n, thread_name_prefix="nvdcp-file") as pool:
+            futures = [pool.submit(self._write_file, f) for f in files]
+            dispatch_error: BaseException | None = None
+            try:
+                if jobs:
+                    self._dispatch_gpu(jobs, files, failed)
+            except BaseException as exc:  # noqa: BLE001 - raised below, once the files stopped
+                dispatch_error = exc
+                failed.set()
+            finally:
+                for f in files:
+                    f.queue.put(None)
+            for fut in futures:
+                fut.result()
+        first = dispatch_error or next((f.error for f in files if f.error is not None), None)
+        if first is not None:
+            raise first
+        position = {item.index: i for i, item in enumerate(items)}
+        results = [r for f in files for r in f.results]
+        results.sort(key=lambda r: position[r.index])  # plan order, whatever thread wrote what
         return results
+
+    def _write_file(self, file: _FileWriter) -> None:
+        """Write one data file (on its thread); its error is kept in ``file.error``."""
+        file.run()
+
+    def _dispatch_gpu(self, jobs: list[Any], files: list[_FileWriter], failed: threading.Event) -> None:
+        """Encode ``jobs`` and queue each record on a file's thread; returns once every record
+        is written (after a failure anywhere, the records not yet written are dropped)."""
+        depth = 2 if len(files) == 1 else PARALLEL_DEPTH
+        buckets = self.encoder.encode_gpu_buckets(jobs, depth)
+        try:
+            for bucket in buckets:
+                if failed.is_set():
+                    bucket.release()
+                    break
+                refs = _BucketRefs(bucket, len(bucket.records))
+                for job, encoded in bucket.records:
+                    min(files, key=_FileWriter.load).enqueue(job.key, encoded, refs)
+                del bucket, refs
+        except BaseException:
+            failed.set()  # the files drop what is queued instead of writing it
+            raise
+        finally:
+            # Every queued record must be written or dropped before the buckets' buffers go back.
+            for f in files:
+                f.queue.put(_DRAIN)
+            for f in files:
+                f.drained.wait()
+            buckets.close()
+
+    def _result(self, name: str, item: WriteItem, offset: int, encoded: EncodedItem) -> WriteResult:
+        info = descriptor.storage_info(name, offset, encoded.nbytes, _descriptor_codec(encoded.header.plane_codecs))
+        return WriteResult(
+            index=item.index,
+            size_in_bytes=encoded.nbytes,
+            # the digest is the header's own CRC32C: no pass over the data (docs/FORMAT.md)
+            storage_data=ItemRecord(info, digest_of_record_header(encoded.header_bytes))
+            if self._record_digests else info,
+        )
+
+
+#: Put on a file's queue after the last GPU record of a save: the thread signals ``drained``.
+_DRAIN = object()
+
+
+class _BucketRefs:
+    """Records of one GPU bucket not yet written: the bucket's pinned buffer goes back to the
+    encoder's pool when the last is written (records of one bucket go to several files)."""
+
+    def __init__(self, bucket: Any, count: int) -> None:
+        self.bucket = bucket
+        self.left = count
+        self.lock = threading.Lock()
+        if count == 0:
+            bucket.release()
+
+    def done(self) -> None:
+        with self.lock:
+            self.left -= 1
+            last = self.left == 0
+        if last:
+            self.bucket.release()
+
+
+class _FileWriter:
+    """One data file and the thread writing it: its CPU items (encoded in batches on the codec
+    pool), then GPU records queued by the dispatcher (written first whenever some are waiting)."""
+
+    def __init__(self, writer: NvcompWriter, name: str, items: list[tuple[WriteItem, Any]], planner: SavePlanner,
+                 report: Report, cpu_bytes: int, max_run: int | None, failed: threading.Event) -> None:
+        self.writer = writer
+        self.name = name
+        self.items = items
+        self.planner = planner
+        self.report = report
+        self.max_run = max_run
+        self.results: list[WriteResult] = []
+        self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.failed = failed  # shared by the save's files
+        self.drained = threading.Event()
+        self.error: BaseException | None = None  # what failed here (None: fine, or another file failed)
+        self.ended = False  # the end marker came: no more GPU records
+        self._lock = threading.Lock()
+        self.waiting = 0  # bytes queued, not yet written
+        self.assigned = cpu_bytes  # bytes given to this file so far (CPU items: raw bytes)
+        self.out: _RecordWriter | None = None
+        self.sizes = [0, 0]  # raw and stored bytes
+        self.secs = [0.0, 0.0]  # encode (waiting for records) and io seconds
+        self.clock = 0.0
+
+    def load(self) -> tuple[int, int]:
+        """Bytes waiting to be written here, then bytes given so far: the least loaded file
+        gets the next GPU record. Read without the lock (once per file and record: a value a
+        moment old only moves a record to another file)."""
+        return self.waiting, self.assigned
+
+    def enqueue(self, item: WriteItem, encoded: EncodedItem, refs: _BucketRefs) -> None:
+        with self._lock:
+            self.waiting += encoded.nbytes
+            self.assigned += encoded.nbytes
+        self.queue.put((item, encoded, refs))
+
+    # -- the file's thread -----------------------------------------------------------------------
+    def write(self, item: WriteItem, encoded: EncodedItem) -> None:
+        assert self.out is not None
+        t1 = time.perf_counter()
+        offset = self.out.append(encoded)
+        t2 = time.perf_counter()
+        self.sizes[0] += encoded.header.raw_nbytes
+        self.sizes[1] += encoded.nbytes
+        self.secs[0] += t1 - self.clock
+        self.secs[1] += t2 - t1
+        self.clock = t2
+        self.results.append(self.writer._result(self.name, item, offset, encoded))
+
+    def _write_queued(self, block: bool) -> bool:
+        """Write GPU records waiting in the queue (``block``: until the end marker). Returns
+        whether the end marker came."""
+        while not self.ended:
+            try:
+                got = self.queue.get(block=block)
+            except queue.Empty:
+                return False
+            if got is None:
+                self.drained.set()
+                self.ended = True
+                return True
+            if got is _DRAIN:
+                self.drained.set()  # the dispatcher may close the GPU buckets once all files say so
+                continue
+            item, encoded, refs = got
+            try:
+                if not self.failed.is_set():
+                    self.write(item, encoded)
+            finally:
+                with self._lock:
+                    self.waiting -= encoded.nbytes
+                refs.done()
+        return True
+
+    def _resolved(self) -> Any:
+        """CPU items to encode; items the stager pre-encoded are written on the way."""
+        writer = self.writer
+        for item, data in self.items:
+            if data is None:
+                data = self.planner.resolve_data(item)
+            if isinstance(data, StagedShard):  # from NvcompStager (dcp.async_save)
+                writer._staged.append(data)
+                if data.encoded is not None:
+                    self.clock = time.perf_counter()
+                    self.write(item, data.encoded)
+                    continue
+                data = data.host_tensor
+            yield item, data
+
+    def run(self) -> None:
+        """Write the file; an error is kept in :attr:`error` (every file stops, the save raises it)."""
+        writer = self.writer
+        stream: WriteStream | None = None
+        try:
+            stream = writer.storage.create(self.name)
+            self.out = _RecordWriter(stream, self.max_run)
+            self.out.start(data_file_header(writer.rank, writer.save_id))
+            if writer._caller_event is not None:
+                torch.cuda.current_stream().wait_event(writer._caller_event)
+            self.clock = time.perf_counter()
+            if self.items:
+                for item, encoded in writer.encoder.encode_items(self._resolved(), _describe_item):
+                    self.write(item, encoded)
+                    self._write_queued(block=False)
+                    if self.failed.is_set():
+                        raise _SiblingFailed
+            self._write_queued(block=True)
+            t0 = time.perf_counter()
+            self.out.flush()
+            if self.failed.is_set():
+                raise _SiblingFailed
+            stream.commit()
+            self.report.add(self.sizes[0], self.sizes[1], encode_s=self.secs[0],
+                            io_s=self.secs[1] + time.perf_counter() - t0)
+        except BaseException as exc:
+            self.failed.set()
+            if not isinstance(exc, _SiblingFailed):
+                self.error = exc
+            if stream is not None:
+                try:
+                    stream.abort()
+                except Exception as abort_exc:  # the first error is the one reported
+                    logger.debug("aborting %s: %s", self.name, abort_exc)
+            if not self.ended:
+                self._write_queued(block=True)  # drop the records queued here (their buckets go back)
+
+
+class _SiblingFailed(Exception):
+    """Another file of the save failed: this one is aborted without an error of its own."""
 
 
 #: Records up to this size are copied into a write buffer, flushed with one system call per
@@ -422,13 +657,20 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
 #: GPU records' chunks view pinned memory that is reused once the next record is asked for.
 SMALL_RECORD_BYTES = 256 << 10
 WRITE_BATCH_BYTES = 4 << 20
+#: Several local files written at once: large records go out in calls of at most this many
+#: bytes, under local storage's threshold for slicing one call over its I/O threads (writes to
+#: one file serialize on its inode; the files' own threads are the parallelism).
+SMALL_WRITE_RUN_BYTES = 4 << 20
 
 
 class _RecordWriter:
-    """Appends records to a data file; small ones go out in batches. Tracks offsets itself."""
+    """Appends records to a data file; small ones go out in batches. Tracks offsets itself.
 
-    def __init__(self, stream: WriteStream) -> None:
+    ``max_run``: large records are written in calls of at most about that many bytes."""
+
+    def __init__(self, stream: WriteStream, max_run: int | None = None) -> None:
         self.stream = stream
+        self.max_run = max_run
         self.pos = 0
         self.parts: list[bytes] = []
         self.pending = 0
@@ -447,9 +689,26 @@ class _RecordWriter:
                 self.flush()
         else:
             self.flush()
-            self.stream.writelines([encoded.header_bytes, *encoded.chunks])
+            if self.max_run is None:
+                self.stream.writelines([encoded.header_bytes, *encoded.chunks])
+            else:
+                self._write_runs([encoded.header_bytes, *encoded.chunks])
         self.pos += size
         return offset
+
+    def _write_runs(self, parts: list[Any]) -> None:
+        assert self.max_run is not None
+        run: list[Any] = []
+        run_bytes = 0
+        for part in parts:
+            n = memoryview(part).nbytes
+            if run and run_bytes + n > self.max_run:
+                self.stream.writelines(run)
+                run, run_bytes = [], 0
+            run.append(part)
+            run_bytes += n
+        if run:
+            self.stream.writelines(run)
 
     def flush(self) -> None:
         if self.parts:
@@ -504,4 +763,4 @@ def _warn_stock_arguments(
                   "ignored; nvdcp writes its own container format (docs/FORMAT.md).")
 
 
-__all__ = ["DATA_SUFFIX", "NvcompWriter", "split_into_files"]
+__all__ = ["DATA_SUFFIX", "NvcompWriter", "auto_file_count", "split_into_files"]

@@ -2,13 +2,20 @@
 and the byte planes are merged back into elements on the device.
 
 Many items are decoded together: their chunks share one staging buffer, one host-to-device copy
-and one nvCOMP call per codec, which matters for the hundreds of small tensors (biases, norms)
-of a model. Items larger than the scratch budget are decoded in *passes* over block ranges.
-Chunk bytes land in their staging slots straight from storage (a scatter read). Each chunk's
-CRC32C is checked before nvCOMP sees it: on the device after the host-to-device copy (a Triton
-kernel, :mod:`nvdcp.gpu.crc32c`; only a mismatch count and the first failing chunk come back),
-or on the host before the copy where that kernel does not run. Either way nvCOMP never decodes
-bytes that differ from what was written.
+and one nvCOMP call per codec, which matters for the thousands of small tensors (biases, norms,
+MoE experts) of a model. Items larger than the scratch budget are decoded in *passes* over block
+ranges. Chunk bytes land in their staging slots straight from storage (a scatter read). Each
+chunk's CRC32C is checked before nvCOMP sees it: on the device after the host-to-device copy (a
+Triton kernel, :mod:`nvdcp.gpu.crc32c`; only a mismatch count and the first failing chunk come
+back), or on the host before the copy where that kernel does not run. Either way nvCOMP never
+decodes bytes that differ from what was written.
+
+Per pass, not per item: the slot tables are built with numpy over all the pass's items; the
+checksum offsets, expected values and the merge table travel in the tail of the pinned staging
+buffer with the chunks (one host-to-device copy, no pageable copies that could wait for the
+stream); one Triton kernel per plane count (:mod:`nvdcp.gpu.merge`) writes every block of every
+item of the pass into its destination, reading raw chunks from the staging slots and compressed
+ones from nvCOMP's output. Without Triton the decoder merges item by item with torch.
 
 Passes overlap: while the host reads pass k+1 into its staging buffer, the device copies pass k
 in and checks it; pass k is decoded once its check came back clean (by then the host has read the
@@ -18,6 +25,7 @@ the caller's destination tensors when given (``DecodeRequest.out``).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,8 +37,10 @@ import torch
 from nvdcp.codecs import codec_name
 from nvdcp.errors import CorruptCheckpointError
 from nvdcp.format.crc import checksum_ranges
-from nvdcp.format.header import TRANSFORM_BYTEPLANES, ItemHeader
+from nvdcp.format.header import MAX_PLANES, TRANSFORM_BYTEPLANES, ItemHeader
 from nvdcp.gpu import crc32c
+from nvdcp.gpu.allocator import install_allocator
+from nvdcp.gpu.merge import PLANE_COUNTS, merge_available, merge_rows
 from nvdcp.gpu.nvcomp_codecs import CodecCache, typed_data_type
 from nvdcp.gpu.pinned import PinnedPool
 
@@ -38,6 +48,9 @@ from nvdcp.gpu.pinned import PinnedPool
 #: (GDeflate wants 4 bytes; a checkpoint written with chunk_bytes=1025 failed to decode), and 256
 #: keeps every codec's alignment wish.
 SLOT_ALIGN = 256
+#: Pinned rows for the device check's result ([mismatches, first failing slot]) per decoder: more
+#: than the passes alive at once (staged, uploaded, decoding).
+_BAD_RING = 8
 
 
 @dataclass
@@ -49,33 +62,41 @@ class DecodeRequest:
     bytes of chunks ``first_chunk, first_chunk + 1, ...`` (a scatter read from storage).
     ``out``: where the item's raw bytes go (a contiguous uint8 tensor of ``header.raw_nbytes`` on
     the decoder's device, e.g. a flat view of the destination tensor); None: a new tensor.
+    ``where`` names the item in errors (a string, or any object whose ``str`` does: built only
+    when an error needs it). ``table``: the chunk table as arrays (stored sizes int64, CRC32Cs
+    uint32) when the caller has it (e.g. read in place from the record); else built from the header.
     """
 
     header: ItemHeader
     dtype: torch.dtype | None
-    where: str
+    where: Any
     payload: np.ndarray | None = None
     fill: Callable[[int, list[memoryview]], None] | None = None
     out: torch.Tensor | None = None
+    table: tuple[np.ndarray, np.ndarray] | None = None
 
-    def read_chunks(self, first: int, offsets: np.ndarray, buffers: list[memoryview]) -> None:
+    def read_chunks(self, first: int, sizes: np.ndarray, buffers: list[memoryview]) -> None:
+        """Fill ``buffers`` with the stored bytes of chunks ``first, first + 1, ...`` (``sizes``:
+        every chunk's stored size)."""
         if self.fill is not None:
             self.fill(first, buffers)
             return
         assert self.payload is not None
-        pos = int(offsets[first])
+        src = self.payload.data
+        pos = int(sizes[:first].sum()) if first else 0
         for buf in buffers:
-            buf[:] = self.payload[pos : pos + len(buf)].data
-            pos += len(buf)
+            n = len(buf)
+            buf[:] = src[pos : pos + n]
+            pos += n
 
 
-@dataclass
+@dataclass(eq=False)
 class _Segment:
     req: DecodeRequest
-    offsets: np.ndarray
     first: int  # first block
     last: int  # one past the last block
-    out: torch.Tensor
+    out: torch.Tensor  # the item's flat uint8 destination
+    out_addr: int  # its address
     sizes: np.ndarray  # stored bytes of every chunk of the item (int64)
     crcs: np.ndarray  # CRC32C of every chunk of the item (uint32)
 
@@ -104,9 +125,37 @@ class _Pass:
     raw_slots: np.ndarray
     up: torch.Tensor | None = None
     bad: torch.Tensor | None = None  # pinned host copy of the device check: [mismatches, first slot]
-    checked: torch.cuda.Event | None = None
+    checked: Any = None  # event recorded after the upload and its check
     decoded: list[tuple[str, np.ndarray, Any]] = field(default_factory=list)  # nvCOMP results to check
     keep: list[Any] = field(default_factory=list)  # nvCOMP arrays alive until their decode is checked
+    # the fused layout (device check and merge kernel): a device buffer per pass holding the
+    # uploaded slots and the tables that came with them, and one for nvCOMP's output slots
+    dev: torch.Tensor | None = None
+    dec: torch.Tensor | None = None
+    tail: int = 0  # where the tables start (in staging and dev)
+    tail_end: int = 0  # bytes uploaded
+    merges: list[tuple[int, int, int, int]] = field(default_factory=list)  # planes, table offset, rows, max count
+
+
+class _HostStream:
+    """Stands in for a CUDA stream when the decoder runs on CPU tensors (tests, with
+    ``TRITON_INTERPRET=1`` and a stand-in for nvCOMP)."""
+
+    cuda_stream = 0
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+
+class _HostEvent:
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
 
 
 class GpuDecoder:
@@ -115,16 +164,31 @@ class GpuDecoder:
     def __init__(self, device: torch.device, *, budget_bytes: int, gdeflate_type: int = 0,
                  pinned_bytes: int = 512 << 20, pinned: PinnedPool | None = None) -> None:
         self.device = device
+        self._cuda = device.type == "cuda"
+        if self._cuda:
+            # nvCOMP's temporaries from caching allocators: its default cudaFree/cudaFreeHost
+            # synchronize the whole device, serializing the decoders of all threads.
+            install_allocator(device)
         #: Pinned staging buffers (the reader passes a pool its decoders share).
         self.pinned = pinned if pinned is not None else PinnedPool(pinned_bytes)
-        # Up to three passes hold device memory at once (one checked, one decoding, one uploaded;
+        # Up to three passes hold device memory at once (one staged, one checked, one decoding;
         # each: staging + decoded slots) and two hold pinned staging (one uploading, one filling).
         self.budget = max(8 * _slot_stride(65536), min(budget_bytes // 3, pinned_bytes))
         self.gdeflate_type = gdeflate_type
-        self.stream = torch.cuda.Stream(device)
+        self.stream: Any = torch.cuda.Stream(device) if self._cuda else _HostStream()
         self.codecs: dict[int, CodecCache] = {}
         #: chunk checksums checked on the device (the Triton kernel) rather than on the host
         self.device_crc = crc32c.device_crc_available()
+        #: the fused layout: device check, tables in the staging tail, one merge kernel per pass
+        self.fused = self.device_crc and merge_available()
+        self._bad = torch.zeros((_BAD_RING, 2), dtype=torch.int32, pin_memory=self._cuda)
+        self._bad_next = 0
+        # codec key (name, nvCOMP data_type) -> id, and per (plane codecs, dtype) a row of plane keys
+        self._key_ids: dict[tuple[str, str | None], int] = {}
+        self._key_names: list[tuple[str, str | None]] = []
+        self._row_of: dict[tuple[tuple[int, ...], torch.dtype | None], int] = {}
+        self._rows: list[list[int]] = []
+        self._key_table: np.ndarray | None = None
 
     def decode(self, payload: np.ndarray, header: ItemHeader, dtype: torch.dtype | None, where: str) -> torch.Tensor:
         """Decode one in-memory item; returns a flat uint8 tensor of ``header.raw_nbytes`` here."""
@@ -133,36 +197,78 @@ class GpuDecoder:
     def decode_many(self, requests: list[DecodeRequest]) -> list[torch.Tensor]:
         """Decode several items in as few passes (staging copies, nvCOMP calls) as the budget
         allows; returns each item's raw bytes (its ``out`` when given), complete on return."""
-        outs = []
+        # new outputs on the caller's stream (it uses them after this returns), one allocation
+        outs = self._outputs(requests)
+        passes = self._plan(requests, outs)
+        if self._cuda:
+            # destinations may have been written on the caller's stream (e.g. zeroed)
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with self._on_stream():
+            self._run(passes)
+        return outs
+
+    def _on_stream(self) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.stream(self.stream) if self._cuda else contextlib.nullcontext()
+
+    def _event(self) -> Any:
+        if not self._cuda:
+            return _HostEvent()
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def _outputs(self, requests: list[DecodeRequest]) -> list[torch.Tensor]:
+        outs: list[Any] = []
+        fresh: list[int] = []
+        for i, req in enumerate(requests):
+            out = req.out
+            n = req.header.raw_nbytes
+            if out is None:
+                fresh.append(i)
+            elif out.dtype != torch.uint8 or out.numel() != n or not out.is_contiguous() or out.device != self.device:
+                raise ValueError(f"{req.where}: out must be a contiguous uint8 tensor of {n} bytes on {self.device}")
+            elif out.dim() != 1:
+                out = out.view(-1)
+            outs.append(out)
+        if fresh:
+            # aligned starts: the caller views each as its dtype
+            sizes = np.asarray([requests[i].header.raw_nbytes for i in fresh], dtype=np.int64)
+            room = -(-sizes // SLOT_ALIGN) * SLOT_ALIGN
+            starts = (np.cumsum(room) - room).tolist()
+            block = torch.empty(int(room.sum()), dtype=torch.uint8, device=self.device)
+            for i, at, n in zip(fresh, starts, sizes.tolist()):
+                outs[i] = block[at : at + n]
+        return outs
+
+    def _plan(self, requests: list[DecodeRequest], outs: list[torch.Tensor]) -> list[list[_Segment]]:
+        """Cut the requests into passes of at most the budget (and of one chunk size each)."""
         passes: list[list[_Segment]] = [[]]
         used = 0
-        # destinations may have been written on the caller's stream (e.g. zeroed)
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            for req in requests:
-                h = req.header
-                out = req.out
-                if out is None:
-                    out = torch.empty(h.raw_nbytes, dtype=torch.uint8, device=self.device)
-                elif out.dtype != torch.uint8 or out.numel() != h.raw_nbytes or not out.is_contiguous() or out.device != self.device:
-                    raise ValueError(f"{req.where}: out must be a contiguous uint8 tensor of {h.raw_nbytes} bytes on {self.device}")
-                outs.append(out)
-                sizes, crcs = _chunk_table(h)
-                offsets = np.zeros(len(h.chunks) + 1, dtype=np.int64)
-                np.cumsum(sizes, out=offsets[1:])
-                slot_cost = 2 * _slot_stride(h.chunk_bytes)  # staging on the device + decoded slot
-                per_pass = max(1, self.budget // (slot_cost * h.n_planes))
-                for first in range(0, h.n_blocks, per_pass):
-                    last = min(h.n_blocks, first + per_pass)
-                    seg = _Segment(req, offsets, first, last, out.view(-1), sizes, crcs)
-                    cost = seg.slots * slot_cost
-                    if passes[-1] and (used + cost > self.budget or passes[-1][0].req.header.chunk_bytes != h.chunk_bytes):
-                        passes.append([])
-                        used = 0
-                    passes[-1].append(seg)
-                    used += cost
-            self._run([segs for segs in passes if segs])
-        return outs
+        budget = self.budget
+        pass_chunk = 0  # chunk size of the open pass
+        for req, out in zip(requests, outs):
+            h = req.header
+            c = h.chunk_bytes
+            p = len(h.plane_codecs)
+            n_blocks = -(-(h.raw_nbytes // p) // c)
+            if n_blocks == 0:
+                continue
+            if p not in PLANE_COUNTS or (h.transform != TRANSFORM_BYTEPLANES and p != 1):
+                raise CorruptCheckpointError(f"{req.where}: {p} planes with transform {h.transform} cannot be decoded")
+            sizes, crcs = req.table if req.table is not None else _chunk_table(h)
+            addr = out.data_ptr()
+            slot_cost = 2 * _slot_stride(c)  # staging on the device + decoded slot
+            per_pass = max(1, budget // (slot_cost * p))
+            for first in range(0, n_blocks, per_pass):
+                last = min(n_blocks, first + per_pass)
+                cost = (last - first) * p * slot_cost
+                if passes[-1] and (used + cost > budget or pass_chunk != c):
+                    passes.append([])
+                    used = 0
+                passes[-1].append(_Segment(req, first, last, out, addr, sizes, crcs))
+                pass_chunk = c
+                used += cost
+        return [segs for segs in passes if segs]
 
     def _run(self, passes: list[list[_Segment]]) -> None:
         uploaded: _Pass | None = None  # copied in, its check queued, not decoded yet
@@ -198,25 +304,57 @@ class GpuDecoder:
                 self._release(p)
 
     # -- host: read and lay out one pass -------------------------------------------------------
+    def _plane_row(self, plane_codecs: tuple[int, ...], dtype: torch.dtype | None) -> int:
+        """The row of plane keys (codec key id per plane, -1: stored raw) for these plane codecs
+        and dtype; one dictionary look-up per item once seen."""
+        k = (plane_codecs, dtype)
+        row = self._row_of.get(k)
+        if row is None:
+            keys = []
+            for cid in plane_codecs:
+                name = codec_name(cid)
+                if name == "none":
+                    keys.append(-1)
+                    continue
+                key = (name, typed_data_type(name, dtype))
+                if key not in self._key_ids:
+                    self._key_ids[key] = len(self._key_names)
+                    self._key_names.append(key)
+                keys.append(self._key_ids[key])
+            row = self._row_of[k] = len(self._rows)
+            self._rows.append(keys + [-1] * (MAX_PLANES - len(keys)))
+            self._key_table = None
+        return row
+
     def _stage(self, segments: list[_Segment]) -> _Pass:
         c = segments[0].req.header.chunk_bytes
         stride = _slot_stride(c)
-        stored_l, raw_l, crc_l, key_l = [], [], [], []
-        keys: dict[tuple[str, str | None], int] = {}
+        # per segment: python scalars and one slice of its chunk table; per slot: numpy
+        stored_l, crc_l, counts, firsts, planes, plane_bytes, rows = [], [], [], [], [], [], []
         for seg in segments:
             h = seg.req.header
             p = h.n_planes
             lo, hi = seg.first * p, seg.last * p
             stored_l.append(seg.sizes[lo:hi])
             crc_l.append(seg.crcs[lo:hi])
-            blocks = np.arange(seg.first, seg.last, dtype=np.int64)
-            raw_l.append(np.repeat(np.minimum(c, h.plane_nbytes - blocks * c), p))
-            plane_keys = []
-            for cid in h.plane_codecs:
-                name = codec_name(cid)
-                plane_keys.append(-1 if name == "none" else keys.setdefault((name, typed_data_type(name, seg.req.dtype)), len(keys)))
-            key_l.append(np.tile(np.asarray(plane_keys, dtype=np.int64), seg.last - seg.first))
-        stored, raw, expected, key = (np.concatenate(x) for x in (stored_l, raw_l, crc_l, key_l))
+            counts.append(hi - lo)
+            firsts.append(seg.first)
+            planes.append(p)
+            plane_bytes.append(h.plane_nbytes)
+            rows.append(self._plane_row(h.plane_codecs, seg.req.dtype))
+        stored = np.concatenate(stored_l) if len(stored_l) > 1 else stored_l[0]
+        expected = np.concatenate(crc_l) if len(crc_l) > 1 else crc_l[0]
+        n = len(stored)
+        per_seg = np.asarray(counts, dtype=np.int64)
+        seg_of = np.repeat(np.arange(len(segments)), per_seg)
+        j = np.arange(n, dtype=np.int64) - np.repeat(np.cumsum(per_seg) - per_seg, per_seg)
+        p_slot = np.asarray(planes, dtype=np.int64)[seg_of]
+        block = np.asarray(firsts, dtype=np.int64)[seg_of] + j // p_slot
+        plane = j % p_slot
+        raw = np.minimum(c, np.asarray(plane_bytes, dtype=np.int64)[seg_of] - block * c)
+        if self._key_table is None:
+            self._key_table = np.asarray(self._rows, dtype=np.int64).reshape(-1, MAX_PLANES)
+        key = self._key_table[np.asarray(rows, dtype=np.int64)[seg_of], plane]
         over = np.flatnonzero((stored > raw) | ((key < 0) & (stored != raw)))
         if len(over):  # checked before reading: a chunk never spills into the next slot
             seg, i = _slot_owner(segments, int(over[0]))
@@ -224,20 +362,24 @@ class GpuDecoder:
                 f"{seg.req.where}: chunk {i} stores {int(stored[over[0]])} bytes for {int(raw[over[0]])} raw"
             )
         compressed = stored < raw
-        groups = {k: np.flatnonzero(compressed & (key == kid)) for k, kid in keys.items()}
+        groups = {self._key_names[int(k)]: np.flatnonzero(compressed & (key == k))
+                  for k in np.unique(key[compressed]).tolist()}
         raw_slots = np.flatnonzero(~compressed)
-        n = len(stored)
-        staging = self.pinned.acquire(n * stride)
+        pas = _Pass(segments, stride, None, stored, raw, expected, groups, raw_slots)  # type: ignore[arg-type]
+        if self.fused:
+            staging = self._lay_out_fused(pas, seg_of, block, plane, p_slot, compressed)
+        else:
+            staging = self.pinned.acquire(n * stride)
+        pas.staging = staging
         try:
             host = staging.numpy().data
             starts = (np.arange(n, dtype=np.int64) * stride).tolist()
             sizes_l = stored.tolist()
             k = 0
             for seg in segments:
-                p = seg.req.header.n_planes
-                first, m = seg.first * p, seg.slots
-                views = [host[starts[j] : starts[j] + sizes_l[j]] for j in range(k, k + m)]
-                seg.req.read_chunks(first, seg.offsets, views)
+                m = seg.slots
+                views = [host[starts[i] : starts[i] + sizes_l[i]] for i in range(k, k + m)]
+                seg.req.read_chunks(seg.first * seg.req.header.n_planes, seg.sizes, views)
                 k += m
             if not self.device_crc:
                 got = checksum_ranges(staging.numpy(), np.arange(n, dtype=np.int64) * stride, stored)
@@ -245,24 +387,86 @@ class GpuDecoder:
                 if len(bad):
                     _raise_checksum(segments, int(bad[0]))
         except BaseException:
+            self._release(pas)
+            raise
+        return pas
+
+    def _lay_out_fused(self, p: _Pass, seg_of: np.ndarray, block: np.ndarray, plane: np.ndarray,
+                       p_slot: np.ndarray, compressed: np.ndarray) -> torch.Tensor:
+        """The pass's device buffer and its staging buffer, whose tail holds the tables the device
+        needs (checksum ranges and expected values, the merge table), written here."""
+        n, stride, c = len(p.stored), p.stride, p.segments[0].req.header.chunk_bytes
+        firsts = np.flatnonzero(plane == 0)  # each block's first slot
+        p_block = p_slot[firsts]
+        kinds = np.unique(p_block).tolist()
+        tail = n * stride
+        table_bytes = 8 * n + 8 * n + 4 * (n + (n & 1))  # offsets, lengths, expected (int32, padded)
+        sel_of: dict[int, np.ndarray] = {}
+        for planes in kinds:
+            sel_of[planes] = firsts[p_block == planes]
+            table_bytes += 8 * len(sel_of[planes]) * (2 + planes)
+        tail_end = tail + table_bytes
+        p.dev = torch.empty(tail_end, dtype=torch.uint8, device=self.device)
+        if compressed.any():
+            p.dec = torch.empty(n * stride, dtype=torch.uint8, device=self.device)
+        p.tail, p.tail_end = tail, tail_end
+        staging = self.pinned.acquire(tail_end)
+        try:
+            host = staging.numpy()
+            at = tail
+            host[at : at + 8 * n].view(np.int64)[:] = np.arange(n, dtype=np.int64) * stride
+            at += 8 * n
+            host[at : at + 8 * n].view(np.int64)[:] = p.stored
+            at += 8 * n
+            host[at : at + 4 * n].view(np.uint32)[:] = p.expected
+            at += 4 * (n + (n & 1))
+            base = p.dev.data_ptr()
+            dec_base = p.dec.data_ptr() if p.dec is not None else base
+            src = np.where(compressed, dec_base, base) + np.arange(n, dtype=np.int64) * stride
+            out_addr = np.asarray([seg.out_addr for seg in p.segments], dtype=np.int64)
+            for planes in kinds:
+                sel = sel_of[planes]
+                rows = len(sel)
+                table = host[at : at + 8 * rows * (2 + planes)].view(np.int64).reshape(rows, 2 + planes)
+                table[:, 0] = out_addr[seg_of[sel]] + block[sel] * (c * planes)
+                table[:, 1] = p.raw[sel]
+                table[:, 2:] = src[sel[:, None] + np.arange(planes, dtype=np.int64)[None, :]]
+                p.merges.append((planes, at, rows, int(p.raw[sel].max())))
+                at += 8 * rows * (2 + planes)
+            assert at == tail_end
+        except BaseException:
             self.pinned.release(staging)
             raise
-        return _Pass(segments, stride, staging, stored, raw, expected, groups, raw_slots)
+        return staging
 
     # -- device: upload, check, decode, merge --------------------------------------------------
     def _upload(self, p: _Pass) -> None:
         n = len(p.stored)
-        p.up = torch.empty((n, p.stride), dtype=torch.uint8, device=self.device)
-        p.up.view(-1).copy_(p.staging[: n * p.stride], non_blocking=True)
-        if self.device_crc:
-            expected = torch.from_numpy(p.expected.view(np.int32))
-            _, bad = crc32c.checksum_ranges_device(p.up.view(-1), np.arange(n, dtype=np.int64) * p.stride,
-                                                   p.stored, expected)
-            assert bad is not None
-            p.bad = torch.empty(2, dtype=torch.int32, pin_memory=True)
-            p.bad.copy_(bad, non_blocking=True)
-        p.checked = torch.cuda.Event()
-        p.checked.record(self.stream)
+        bad = self._bad[self._bad_next % _BAD_RING]
+        self._bad_next += 1
+        if self.fused:
+            assert p.dev is not None
+            p.dev[: p.tail_end].copy_(p.staging[: p.tail_end], non_blocking=True)
+            at = p.tail
+            offsets = p.dev[at : at + 8 * n].view(torch.int64)
+            lengths = p.dev[at + 8 * n : at + 16 * n].view(torch.int64)
+            expected = p.dev[at + 16 * n : at + 20 * n].view(torch.int32)
+            crcs, _ = crc32c.checksum_ranges_device(p.dev[: n * p.stride], offsets, lengths)
+            mismatch = crcs != expected
+            bad.copy_(torch.stack((mismatch.sum(dtype=torch.int32), mismatch.to(torch.int32).argmax().to(torch.int32))),
+                      non_blocking=True)
+            p.bad = bad
+        else:
+            p.up = torch.empty((n, p.stride), dtype=torch.uint8, device=self.device)
+            p.up.view(-1).copy_(p.staging[: n * p.stride], non_blocking=True)
+            if self.device_crc:
+                expected_host = torch.from_numpy(p.expected.view(np.int32))
+                _, dev_bad = crc32c.checksum_ranges_device(p.up.view(-1), np.arange(n, dtype=np.int64) * p.stride,
+                                                           p.stored, expected_host)
+                assert dev_bad is not None
+                bad.copy_(dev_bad, non_blocking=True)
+                p.bad = bad
+        p.checked = self._event()
 
     def _await_check(self, p: _Pass) -> None:
         """Wait for the pass's upload (and device check); raise on a checksum mismatch."""
@@ -277,31 +481,53 @@ class GpuDecoder:
             self.pinned.release(p.staging)
             p.staging = None  # type: ignore[assignment]
 
+    def _codec_cache(self, chunk_bytes: int) -> CodecCache:
+        cache = self.codecs.get(chunk_bytes)
+        if cache is None:
+            cache = self.codecs[chunk_bytes] = CodecCache(self.device.index or 0, self.stream, chunk_bytes,
+                                                          self.gdeflate_type)
+        return cache
+
+    def _decode_groups(self, p: _Pass, src_buf: torch.Tensor, dst_buf: torch.Tensor) -> None:
+        """One nvCOMP call per codec over the pass's compressed slots, ``src_buf`` -> ``dst_buf``
+        (flat, slot ``k`` at ``k * stride`` in both)."""
+        cache = self._codec_cache(p.segments[0].req.header.chunk_bytes)
+        for (name, data_type), ks in p.groups.items():
+            codec, _cap = cache.get(name, data_type)
+            starts = (ks * p.stride).tolist()
+            src = nv.as_arrays(src_buf, starts, p.stored[ks].tolist(), cuda_stream=self.stream.cuda_stream)
+            dst = nv.as_arrays(dst_buf, starts, p.raw[ks].tolist(), cuda_stream=self.stream.cuda_stream)
+            try:
+                result = codec.decode(src, out=dst)
+            except Exception as exc:  # nvCOMP reports bad streams as RuntimeError/ValueError
+                raise CorruptCheckpointError(f"{_where(p.segments)}: nvCOMP {name} decode failed: {exc}") from exc
+            p.decoded.append((name, ks, result))
+            p.keep += [src, dst]
+
     def _decode(self, p: _Pass) -> None:
+        if self.fused:
+            dev = p.dev
+            assert dev is not None
+            n = len(p.stored)
+            if p.groups:
+                assert p.dec is not None
+                self._decode_groups(p, dev[: n * p.stride], p.dec)
+            for planes, at, rows, longest in p.merges:
+                merge_rows(dev[at : at + 8 * rows * (2 + planes)].view(torch.int64).view(rows, 2 + planes),
+                           planes, longest)
+            p.dev = p.dec = None  # stream-ordered: reused only by work queued after the merge
+            return
         assert p.up is not None
         c = p.segments[0].req.header.chunk_bytes
-        up, stride = p.up, p.stride
-        if not p.groups or all(len(ks) == 0 for ks in p.groups.values()):
+        up = p.up
+        if not p.groups:
             dec = up
         else:
             dec = torch.empty_like(up)
             if len(p.raw_slots):
                 idx = torch.from_numpy(p.raw_slots).to(self.device, non_blocking=True)
                 dec[idx] = up[idx]
-            cache = self.codecs.setdefault(c, CodecCache(self.device.index or 0, self.stream, c, self.gdeflate_type))
-            for (name, data_type), ks in p.groups.items():
-                if not len(ks):
-                    continue
-                codec, _cap = cache.get(name, data_type)
-                starts = (ks * stride).tolist()
-                src = nv.as_arrays(up.view(-1), starts, p.stored[ks].tolist(), cuda_stream=self.stream.cuda_stream)
-                dst = nv.as_arrays(dec.view(-1), starts, p.raw[ks].tolist(), cuda_stream=self.stream.cuda_stream)
-                try:
-                    result = codec.decode(src, out=dst)
-                except Exception as exc:  # nvCOMP reports bad streams as RuntimeError/ValueError
-                    raise CorruptCheckpointError(f"{_where(p.segments)}: nvCOMP {name} decode failed: {exc}") from exc
-                p.decoded.append((name, ks, result))
-                p.keep += [src, dst]
+            self._decode_groups(p, up.view(-1), dec.view(-1))
         base = 0
         for seg in p.segments:
             _merge(dec[base : base + seg.slots, :c], seg.req.header, seg.first, seg.last, seg.out)

@@ -9,9 +9,10 @@ kernel, :mod:`nvdcp.gpu.crc32c`, when it runs here; else on the host after the c
 stored bytes cross to the host, in one copy per host buffer run. Two CUDA streams alternate
 between buckets, so bucket k+1 compresses while bucket k is compacted and copied.
 
-Two ways out: :meth:`GpuEncoder.encode` (the writer) moves each bucket into a pooled pinned
-buffer and yields its items; a producer thread drives the GPU, so bucket k+1 is compressed and
-copied out while the caller writes bucket k. :meth:`GpuEncoder.stage` (the async stager) copies
+Two ways out: :meth:`GpuEncoder.encode_buckets` (the writer) moves each bucket into a pooled
+pinned buffer and yields its records; a producer thread drives the GPU, so later buckets are
+compressed and copied out while the caller's file threads write the held ones, releasing each
+bucket when its records are written (:meth:`GpuEncoder.encode`: the same, one record at a time). :meth:`GpuEncoder.stage` (the async stager) copies
 every bucket into host memory the caller provides and returns as soon as the copies are done,
 leaving headers (and host checksums, without the kernel) to :meth:`GpuEncoder.items`, which the
 caller runs in the background.
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -32,6 +33,7 @@ from nvdcp.codecs import codec_id
 from nvdcp.format.crc import checksum_ranges
 from nvdcp.format.header import TRANSFORM_BYTEPLANES, ItemHeader
 from nvdcp.gpu import crc32c
+from nvdcp.gpu.allocator import install_allocator
 from nvdcp.gpu.nvcomp_codecs import CodecCache, typed_data_type
 from nvdcp.gpu.pinned import PinnedPool
 from nvdcp.pipeline.cpu import EncodedItem
@@ -189,11 +191,16 @@ class _Launched:
 
 class _PooledSink:
     """One pinned buffer from the encoder's pool per bucket (the writer's path), at most
-    ``depth`` buckets held at once: :meth:`place` waits for the consumer to release one."""
+    ``depth`` buckets held at once: :meth:`place` waits for the consumer to release one.
+
+    Buckets are numbered in the order they are placed (0, 1, ...); the consumer releases each
+    by its number (:meth:`release_bucket`), in any order: writers of several files finish
+    buckets out of order."""
 
     def __init__(self, pool: PinnedPool, depth: int = 2) -> None:
         self.pool = pool
-        self.held: list[torch.Tensor] = []
+        self.held: dict[int, torch.Tensor] = {}
+        self._next = 0
         self._lock = threading.Lock()
         self._room = threading.Semaphore(depth)
         self.closed = False
@@ -203,23 +210,49 @@ class _PooledSink:
         while not self._room.acquire(timeout=0.1):
             if self.closed:
                 raise _Stopped
+        buf = self.pool.acquire(max(total, 1))
         with self._lock:
-            self.held.append(self.pool.acquire(max(total, 1)))
-            return [(self.held[-1][:total], 0, len(sizes))]
+            self.held[self._next] = buf
+            self._next += 1
+        return [(buf[:total], 0, len(sizes))]
+
+    def release_bucket(self, seq: int) -> None:
+        """The consumer is done with bucket ``seq`` (a second call does nothing)."""
+        with self._lock:
+            buf = self.held.pop(seq, None)
+        if buf is not None:
+            self.pool.release(buf)
+            self._room.release()
 
     def release_oldest(self) -> None:
         """The consumer is done with the oldest held bucket."""
         with self._lock:
-            buf = self.held.pop(0)
-        self.pool.release(buf)
-        self._room.release()
+            oldest = min(self.held) if self.held else None
+        if oldest is not None:
+            self.release_bucket(oldest)
 
-    def release(self) -> None:
+    def release(self, first: int | None = None) -> None:
+        """Release every held bucket (``first``: only those numbered ``first`` or later)."""
         with self._lock:
-            held, self.held = self.held, []
-        for buf in held:
+            seqs = [k for k in self.held if first is None or k >= first]
+            bufs = [self.held.pop(k) for k in seqs]
+        for buf in bufs:
             self.pool.release(buf)
             self._room.release()
+
+
+@dataclass
+class EncodedBucket:
+    """The records a bucket completed (:meth:`GpuEncoder.encode_buckets`). Their chunks view
+    the bucket's pinned buffer (chunks of items that began in an earlier bucket are copies):
+    call :meth:`release` once every record is written; the buffer then goes back to the pool."""
+
+    records: list[tuple[GpuJob, EncodedItem]]
+    seq: int
+    _sink: _PooledSink
+
+    def release(self) -> None:
+        self._sink.release_bucket(self.seq)
 
 
 class _Stopped(Exception):
@@ -231,15 +264,18 @@ class GpuEncoder:
 
     def __init__(self, device: torch.device, *, chunk_bytes: int, budget_bytes: int,
                  gdeflate_type: int, pinned_bytes: int = 512 << 20, pinned: PinnedPool | None = None) -> None:
+        install_allocator(device)  # nvCOMP's temporaries from caching allocators (no cudaFree syncs)
         self.device = device
         #: Pinned buffers of :meth:`encode` (one bucket at a time); shared with the owner's other encoders.
         self.pinned = pinned if pinned is not None else PinnedPool(pinned_bytes)
+        self.pinned_bytes = pinned_bytes
         self.chunk_bytes = chunk_bytes
         self.granule = granule_for(chunk_bytes)
         # Two buckets are in flight at once (one compressing, one being compacted and copied out).
         self.bucket_budget = max(budget_bytes // 2, 64 * chunk_bytes)
-        # The writer copies a bucket into one pinned buffer of the pool at a time.
-        self.max_slots = max(16 * 16, pinned_bytes // 2 // chunk_bytes)
+        # The writer holds ``depth`` buckets in pinned buffers of the pool at once (2: one being
+        # written, one being copied out); a bucket's slots fit in its share of the pinned budget.
+        self.max_slots = self.max_slots_for(2)
         self.gdeflate_type = gdeflate_type
         self.streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
         self.codecs = [CodecCache(device.index or 0, s, chunk_bytes, gdeflate_type) for s in self.streams]
@@ -247,6 +283,10 @@ class GpuEncoder:
         self.device_crc = crc32c.device_crc_available()
 
     # -- planning ------------------------------------------------------------------------------
+    def max_slots_for(self, depth: int) -> int:
+        """Slots of a bucket when ``depth`` buckets share the pinned budget."""
+        return max(16 * 16, self.pinned_bytes // max(2, depth) // self.chunk_bytes)
+
     def _block_cost(self, job: GpuJob) -> int:
         c = self.chunk_bytes
         compressed = sum(name != "none" for name in job.layout.plane_codecs)
@@ -254,8 +294,10 @@ class GpuEncoder:
         # per compressed plane: nvCOMP's output slot (its bound is up to two chunks)
         return job.n_planes * (2 * c + 8 * c // self.granule) + compressed * 2 * c
 
-    def _plan(self, jobs: list[GpuJob]) -> list[_Bucket]:
-        """Pack block ranges of the jobs, in order, into buckets under the budget."""
+    def _plan(self, jobs: list[GpuJob], depth: int = 2) -> list[_Bucket]:
+        """Pack block ranges of the jobs, in order, into buckets under the budget (and under the
+        pinned budget's share of each of ``depth`` buckets held at once)."""
+        max_slots = self.max_slots_for(depth)
         buckets = [_Bucket()]
         for j, job in enumerate(jobs):
             blocks = -(-job.elements // self.chunk_bytes)
@@ -266,8 +308,8 @@ class GpuEncoder:
             b = 0
             while b < blocks:
                 cur = buckets[-1]
-                room = min((self.bucket_budget - cur.cost) // per_block, (self.max_slots - cur.slots) // job.n_planes)
-                fits_empty = min(self.bucket_budget // per_block, self.max_slots // job.n_planes)
+                room = min((self.bucket_budget - cur.cost) // per_block, (max_slots - cur.slots) // job.n_planes)
+                fits_empty = min(self.bucket_budget // per_block, max_slots // job.n_planes)
                 if cur.segments and (room <= 0 or (b == 0 and room < blocks <= fits_empty)):
                     # a new bucket, also for an item that would fit whole in one but not in this
                     # one's rest: its chunks then stay in one host buffer (no copy of a partial item)
@@ -383,12 +425,13 @@ class GpuEncoder:
             done.record(launched.stream)
         return HostBucket(launched.bucket, stored, offsets, runs, done, host_crcs)
 
-    def _buckets(self, jobs: list[GpuJob], ready: torch.cuda.Event | None, sink: HostSink) -> Iterator[HostBucket]:
+    def _buckets(self, jobs: list[GpuJob], ready: torch.cuda.Event | None, sink: HostSink,
+                 depth: int = 2) -> Iterator[HostBucket]:
         if ready is not None:
             for s in self.streams:
                 s.wait_event(ready)
         prev: _Launched | None = None
-        for k, bucket in enumerate(self._plan(jobs)):
+        for k, bucket in enumerate(self._plan(jobs, depth)):
             cur = self._launch(jobs, bucket, k % 2)
             if prev is not None:
                 yield self._to_host(prev, sink)
@@ -432,14 +475,33 @@ class GpuEncoder:
         our streams wait on it, so compression never reads a tensor before it is written. The
         yielded chunks view a pooled pinned buffer that is reused once the next item is asked for.
         """
+        buckets = self.encode_buckets(jobs, ready, depth=2)
+        try:
+            for bucket in buckets:
+                yield from bucket.records
+                bucket.release()
+        finally:
+            buckets.close()
+
+    def encode_buckets(self, jobs: list[GpuJob], ready: torch.cuda.Event | None = None,
+                       depth: int = 2) -> Generator[EncodedBucket, None, None]:
+        """Yield each bucket's completed records as one :class:`EncodedBucket`, in order.
+
+        A producer thread compresses and copies out up to ``depth`` buckets ahead: while the
+        caller writes the records of held buckets (from several threads, releasing each bucket
+        when its records are written, in any order), the next bucket is compressed. Each bucket
+        handed out goes back to the pool on its :meth:`~EncodedBucket.release`, also after the
+        iterator ended or raised; closing the iterator early returns them all at once (the
+        caller must be done with every record by then). ``ready``: as :meth:`encode`.
+        """
         partial: dict[int, list] = {}
-        sink = _PooledSink(self.pinned)
+        sink = _PooledSink(self.pinned, depth)
         ready_buckets: queue.Queue[HostBucket | BaseException | None] = queue.Queue()
 
         def produce() -> None:
             try:
                 with torch.cuda.device(self.device):
-                    for hb in self._buckets(jobs, ready, sink):
+                    for hb in self._buckets(jobs, ready, sink, depth):
                         ready_buckets.put(hb)
                 ready_buckets.put(None)
             except _Stopped:
@@ -449,6 +511,8 @@ class GpuEncoder:
 
         producer = threading.Thread(target=produce, name="nvdcp-gpu-encode", daemon=True)
         producer.start()
+        seq = 0  # buckets handed out so far
+        closed = False
         try:
             while True:
                 got = ready_buckets.get()
@@ -457,15 +521,21 @@ class GpuEncoder:
                 if isinstance(got, BaseException):
                     raise got
                 got.done.synchronize()
-                yield from self._bucket_items(jobs, got, partial, copy_partial=True)
-                sink.release_oldest()
+                records = list(self._bucket_items(jobs, got, partial, copy_partial=True))
+                yield EncodedBucket(records, seq, sink)
+                seq += 1
+        except GeneratorExit:
+            closed = True
+            raise
         finally:
             sink.closed = True
             producer.join()
             # copies already queued into pinned buffers must land before the pool reuses them
             for stream in self.streams:
                 stream.synchronize()
-            sink.release()
+            # Buckets handed out go back when the caller releases them (its writers may still be
+            # at work when the last bucket was yielded), or all at once when it closes this.
+            sink.release(None if closed else seq)
 
     def stage(self, jobs: list[GpuJob], sink: HostSink, ready: torch.cuda.Event | None = None) -> list[HostBucket]:
         """Compress ``jobs`` into ``sink``'s host memory; returns once every copy is complete.

@@ -74,9 +74,13 @@ def shared_pool(limit: int) -> PinnedPool:
 
 
 def close_shared_pools() -> None:
-    """Trim and forget every shared pool."""
+    """Trim and forget every shared pool, and drop nvCOMP's idle pinned blocks
+    (:data:`nvdcp.gpu.allocator.PINNED_CACHE`)."""
     with _SHARED_LOCK:
         pools = list(_SHARED.values())
         _SHARED.clear()
     for pool in pools:
         pool.close()
+    from nvdcp.gpu.allocator import PINNED_CACHE
+
+    PINNED_CACHE.trim()

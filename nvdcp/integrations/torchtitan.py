@@ -71,8 +71,9 @@ class NvdcpCheckpointManager(CheckpointManager):
         codec: str = "auto"
         """nvdcp codec: auto (per dtype, loads without a GPU), zstd, gdeflate, none; ans and bitcomp need a GPU."""
 
-        thread_count: int = 1
-        """Data files written in parallel per rank."""
+        thread_count: int | None = None
+        """Data files written in parallel per rank; None: chosen from the state's size and the cores
+        (local storage), 1 on S3 and fsspec."""
 
         chunk_bytes: int = DEFAULT_CHUNK_BYTES
         """Uncompressed bytes per independently compressed chunk (1 KiB..64 KiB)."""
@@ -95,7 +96,7 @@ class NvdcpCheckpointManager(CheckpointManager):
         def __post_init__(self) -> None:
             CheckpointManager.Config.__post_init__(self)
             EncodeConfig(self.codec, self.chunk_bytes, self.codec_threads)  # raises on a bad choice
-            if self.thread_count < 1:
+            if self.thread_count is not None and self.thread_count < 1:
                 raise ValueError(f"checkpoint.thread_count must be >= 1, got {self.thread_count}")
             if self.load_thread_count is not None and self.load_thread_count < 1:
                 raise ValueError(f"checkpoint.load_thread_count must be >= 1, got {self.load_thread_count}")

@@ -22,7 +22,7 @@ import contextlib
 import functools
 import io
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +40,7 @@ from nvdcp.pipeline.policy import GPU_AUTO_CODEC, choose_layout
 from nvdcp.pipeline.tensors import flat_bytes, plain, tensor_to_host_bytes
 
 if TYPE_CHECKING:
-    from nvdcp.gpu.encoder import GpuEncoder, GpuJob, HostSink
+    from nvdcp.gpu.encoder import EncodedBucket, GpuEncoder, GpuJob, HostSink
     from nvdcp.gpu.pinned import PinnedPool
 
 #: What one item to encode is: a tensor, or the bytes of a BYTE_IO item.
@@ -185,6 +185,22 @@ class ItemEncoder:
         for device, device_jobs in by_device(jobs).items():
             with self._gpu_encoder(device, shares) as encoder:
                 yield from encoder.encode(device_jobs, ready_event(device))
+
+    def encode_gpu_buckets(self, jobs: list[GpuJob], depth: int = 2) -> Generator[EncodedBucket, None, None]:
+        """Encode ``jobs`` with one GPU encoder per device at the full GPU and pinned budgets;
+        yields each bucket's records (:meth:`GpuEncoder.encode_buckets
+        <nvdcp.gpu.encoder.GpuEncoder.encode_buckets>`): up to ``depth`` buckets are held in
+        pinned memory at once, each until its :meth:`~nvdcp.gpu.encoder.EncodedBucket.release`.
+        Close the iterator only once every yielded record is written."""
+        from nvdcp.gpu.encoder import by_device, ready_event
+
+        for device, device_jobs in by_device(jobs).items():
+            with self._gpu_encoder(device, 1) as encoder:
+                buckets = encoder.encode_buckets(device_jobs, ready_event(device), depth)
+                try:
+                    yield from buckets
+                finally:
+                    buckets.close()
 
     def stage_gpu_jobs(self, jobs: list[GpuJob], sink: HostSink) -> Callable[[], Iterator[tuple[GpuJob, EncodedItem]]]:
         """Compress ``jobs`` into ``sink``'s host memory; returns once every copy is done (the

@@ -15,7 +15,9 @@ the defaults (16 MiB, every 1000 parts) objects up to 16 GB use 16 MiB parts and
 S3's 5 TiB limit needs more than 10,000 parts.
 
 Reads are ranged GETs: :meth:`S3Storage.read_ranges` merges ranges closer than ``coalesce_gap``,
-splits large spans into ``read_part_size`` pieces and fetches them concurrently.
+splits large spans into ``read_part_size`` pieces and fetches them concurrently. Reads that move
+forward through an object are served from GETs kept in flight ahead of them
+(:mod:`nvdcp.storage.prefetch`, ``prefetch_window``).
 
 Retries: botocore retries each HTTP request (``retry_mode``/``max_attempts``: throttling, 5xx,
 dropped connections). nvdcp adds ``part_retries`` attempts around whole operations, because

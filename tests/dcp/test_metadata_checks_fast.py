@@ -379,3 +379,21 @@ def test_sample_is_deep_copyable_and_valid() -> None:
 def test_metadata_of_16k_ranks_is_within_the_size_bound() -> None:
     """A 7B model's FSDP2 save on 16,384 ranks: 14.3M items of about 200 bytes (docs/SCALE.md)."""
     assert metadata_io.MAX_METADATA_BYTES >= 16_384 * 873 * 200 * 2
+
+
+def test_one_full_collection_only_when_the_metadata_is_a_large_share_of_the_heap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A .metadata that is most of the process gets its full pass at once (else the collector's
+    young passes, then a full one, walk it during the rank's planning); a small one in a large
+    heap is left to the young passes (a full pass would walk the whole heap for it)."""
+    assert metadata_io._collect_now(1_000_000, 1_500_000)  # a third of the blocks: new
+    assert not metadata_io._collect_now(1_000_000, 1_010_000)
+    collected: list[int] = []
+    monkeypatch.setattr(metadata_io.gc, "collect", lambda *a: collected.append(1) or 0)
+    blob = pickle.dumps(sample())
+    for share, expected in ((0.0, [1]), (1.0, [])):
+        collected.clear()
+        monkeypatch.setattr(metadata_io, "COLLECT_ABOVE_SHARE", share)
+        metadata_io.load_metadata(_Store(blob))  # type: ignore[arg-type]
+        assert collected == expected

@@ -51,3 +51,34 @@ def test_ranges_outside_the_buffer_are_refused(offsets: list[int], lengths: list
 def test_buffer_must_be_flat_bytes() -> None:
     with pytest.raises(ValueError, match="uint8"):
         crc.checksum_ranges(np.zeros((2, 5), dtype=np.uint8), np.zeros(1), np.zeros(1))
+
+
+# -- every length and alignment the lane split can meet --------------------------------------------
+_LENGTHS = sorted(
+    set(range(0, 80))
+    | {255, 256, 257, 767, 768, 769, 1535, 1536, 1537}  # the short lanes: 3 x 256 bytes a round
+    | {24575, 24576, 24577, 24576 + 768, 24576 + 767, 49152, 49153}  # the long lanes: 3 x 8 KiB
+    | {65535, 65536, 65537, 100_003, 1 << 20, (1 << 20) + 13}
+)
+
+
+@pytest.mark.parametrize("align", [0, 1, 3, 7, 8, 13])
+def test_every_length_and_alignment(mode: str, align: int) -> None:
+    rng = np.random.default_rng(align)
+    buf = rng.integers(0, 256, size=(1 << 20) + 64, dtype=np.uint8)
+    lengths = np.asarray(_LENGTHS, dtype=np.int64)
+    offsets = np.full(len(lengths), align, dtype=np.int64)
+    got = crc.checksum_ranges(buf, offsets, lengths, threads=1)
+    view = memoryview(buf)
+    want = [crc32c.crc32c(view[align : align + n]) for n in _LENGTHS]
+    assert got.tolist() == want
+
+
+def test_constant_and_patterned_data(mode: str) -> None:
+    # zeros and all-ones exercise the lane join (the zero-shift tables) with degenerate states
+    for fill in (0, 0xFF, 0x5A):
+        buf = np.full(200_000, fill, dtype=np.uint8)
+        lengths = np.asarray([24576, 49152, 100_000, 199_999], dtype=np.int64)
+        got = crc.checksum_ranges(buf, np.ones(4, dtype=np.int64), lengths, threads=2)
+        view = memoryview(buf)
+        assert got.tolist() == [crc32c.crc32c(view[1 : 1 + n]) for n in lengths.tolist()]

@@ -151,3 +151,38 @@ def test_damaged_chunk_is_caught_on_load_and_named(tmp_path: Path, destination: 
     assert isinstance(err, CorruptCheckpointError), err
     msg = str(err)
     assert name in msg and "'big1'" in msg and "chunk 5 " in msg and "checksum mismatch" in msg, msg
+
+
+@pytest.mark.parametrize("merge", ["kernel", "torch"])
+def test_many_dtypes_decode_into_their_destinations(tmp_path: Path, merge: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every plane count (1, 2, 4, 8, 16 bytes), byte planes and raw items, 0-d and empty
+    tensors, into GPU destinations and into new tensors (resharded requests, CPU targets): the
+    per-pass merge kernel and the item-by-item torch merge give the same bytes."""
+    from nvdcp.gpu import decoder as decoder_mod
+    from nvdcp.gpu import merge as merge_mod
+
+    if merge == "torch":
+        monkeypatch.setattr(decoder_mod, "merge_available", lambda: False)
+    elif not merge_mod.merge_available():
+        pytest.skip("the merge kernel does not run here")
+    rng = np.random.default_rng(3)
+    sd: dict[str, torch.Tensor] = {}
+    dtypes = [torch.uint8, torch.int8, torch.bool, torch.float16, torch.bfloat16, torch.int16, torch.float32,
+              torch.int32, torch.float64, torch.int64, torch.complex64, torch.complex128]
+    for i in range(240):
+        dtype = dtypes[i % len(dtypes)]
+        n = int(rng.integers(0, 40_000)) if i % 7 else int(rng.integers(100_000, 300_000))
+        sd[f"t{i}"] = random_tensor(dtype, (n,), seed=i).to(CUDA)
+    sd["scalar"] = torch.tensor(3.25, device=CUDA)
+    sd["matrix"] = weights_like((257, 129), seed=4).to(CUDA)
+    gpu = GpuConfig(gpu_memory_bytes=32 * MiB, pinned_memory_bytes=16 * MiB)
+    # written by the CPU path (every dtype; the GPU writer's own records are covered above)
+    dcp.save({k: v.cpu() for k, v in sd.items()}, storage_writer=nvdcp.NvcompWriter(tmp_path))
+    out = {k: torch.full_like(v, 1) if v.dtype != torch.bool else torch.zeros_like(v) for k, v in sd.items()}
+    dcp.load(out, storage_reader=nvdcp.NvcompReader(tmp_path, gpu=gpu))
+    for k in sd:
+        assert bit_equal(out[k].cpu(), sd[k].cpu()), k
+    host = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in sd.items()}  # new tensors, then copies
+    dcp.load(host, storage_reader=nvdcp.NvcompReader(tmp_path, gpu=GpuConfig(decode_device="cuda")))
+    for k in sd:
+        assert bit_equal(host[k], sd[k].cpu()), k

@@ -293,3 +293,73 @@ def test_gdeflate_records_do_not_depend_on_stale_device_memory(make_encoder: Any
     junk = torch.full((512 << 20,), fill, dtype=torch.uint8, device=CUDA)
     del junk  # its memory goes back to torch's caching allocator, full of `fill`
     assert _collect(enc, [("w", t)])["w"] == reference
+
+
+def test_encode_gpu_buckets_hold_at_most_depth_buckets_and_match_encode(make_encoder: Any) -> None:
+    """The writer's path: buckets released out of order, by other threads, after the iterator
+    ended; records equal those of encode_gpu_jobs; never more than ``depth`` buckets held."""
+    import threading
+
+    enc = make_encoder("auto", gpu=GpuConfig(gpu_memory_bytes=32 * MiB, pinned_memory_bytes=16 * MiB))
+    sd = {f"w{i}": weights_like((700 + 50 * i, 256), seed=20 + i).to(CUDA) for i in range(12)}
+    sd["big"] = weights_like((6 * MiB,), seed=40).to(CUDA)  # spans buckets: its record is copied out
+    direct = {job.key: _record(item) for job, item in enc.encode_gpu_jobs([enc.gpu_job(k, t, k) for k, t in sd.items()])}
+    got: dict[str, bytes] = {}
+    held: list[Any] = []
+    most = 0
+    lock = threading.Lock()
+    releasers: list[threading.Thread] = []
+    for bucket in enc.encode_gpu_buckets([enc.gpu_job(k, t, k) for k, t in sd.items()], depth=3):
+        for job, item in bucket.records:
+            got[job.key] = _record(item)
+        with lock:
+            held.append(bucket)
+            most = max(most, len(held))
+        if len(held) == 3:  # release the newest two from another thread, the oldest later
+            newest = held[1:]
+            del held[1:]
+
+            def release(bs: list[Any] = newest) -> None:
+                for b in reversed(bs):
+                    b.release()
+
+            releasers.append(threading.Thread(target=release))
+            releasers[-1].start()
+            releasers[-1].join()
+    for b in held:
+        b.release()  # after the iterator ended: still accepted
+    assert most <= 3
+    assert set(got) == set(direct) == set(sd)
+    for key, t in sd.items():
+        assert _layout_of(got[key]) == _layout_of(direct[key]), key
+        assert bit_equal(_cpu_decode(got[key], t.dtype), t.contiguous().cpu()), key
+    assert enc.pinned.in_use == 0
+
+
+@pytest.mark.parametrize("threads", [None, 1, 4])
+def test_writer_spreads_gpu_records_over_files(tmp_path: Any, threads: int | None) -> None:
+    """NvcompWriter with GPU state: one encoder, records over ``thread_count`` files (None: auto),
+    bit-exact load, every file used, pinned buffers all back in the pool."""
+    import torch.distributed.checkpoint as dcp
+
+    import nvdcp
+    from nvdcp.dcp import writer as writer_mod
+
+    gpu = GpuConfig(gpu_memory_bytes=64 * MiB, pinned_memory_bytes=32 * MiB)
+    sd: dict[str, Any] = {f"w{i}": weights_like((1024 + 64 * i, 512), seed=50 + i).to(CUDA) for i in range(16)}
+    sd["big"] = weights_like((20 * MiB,), seed=70).to(CUDA)
+    sd["host"] = weights_like((300, 300), seed=71)
+    sd["step"] = 3
+    writer = nvdcp.NvcompWriter(tmp_path, thread_count=threads, sync_files=False, gpu=gpu, on_identical_save="ignore")
+    dcp.save(sd, storage_writer=writer)
+    out = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in sd.items()}
+    dcp.load(out, storage_reader=nvdcp.NvcompReader(tmp_path, gpu=gpu))
+    for k, v in sd.items():
+        assert (bit_equal(out[k].cpu(), v.cpu()) if isinstance(v, torch.Tensor) else out[k] == v), k
+    files = sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".nvdcp")
+    want = threads or writer_mod.auto_file_count(writer.storage, sum(
+        v.numel() * v.element_size() for v in sd.values() if isinstance(v, torch.Tensor)))
+    assert len(files) == want
+    md = nvdcp.NvcompReader(tmp_path).read_metadata()
+    assert {i.relative_path for i in md.storage_data.values()} == set(files)
+    assert writer.encoder.pinned.in_use == 0

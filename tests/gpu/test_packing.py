@@ -131,3 +131,53 @@ def test_placement_after_a_segment_of_odd_size_never_goes_back() -> None:
     runs = buffers.place(sizes)
     assert [(lo, hi) for _, lo, hi in runs] == [(0, 2), (2, 4)]
     assert [b.numel() for b, _, _ in runs] == [MiB + 40, 32]
+
+
+class _CountingPool:
+    """PinnedPool's interface over plain host tensors (no CUDA needed)."""
+
+    def __init__(self) -> None:
+        self.in_use = 0
+        self.released: list[int] = []
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        self.in_use += 1
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def release(self, buf: torch.Tensor) -> None:
+        self.in_use -= 1
+        self.released.append(buf.numel())
+
+
+def test_pooled_sink_releases_buckets_by_number_in_any_order() -> None:
+    import threading
+
+    from nvdcp.gpu.encoder import EncodedBucket, _PooledSink, _Stopped
+
+    pool = _CountingPool()
+    sink = _PooledSink(pool, depth=3)  # type: ignore[arg-type]
+    runs = [sink.place(np.asarray([10 * (k + 1), 5])) for k in range(3)]
+    assert [r[0][0].numel() for r in runs] == [15, 25, 35] and pool.in_use == 3
+    placed: list[int] = []
+    t = threading.Thread(target=lambda: placed.append(len(sink.place(np.asarray([7])))))
+    t.start()
+    t.join(0.3)
+    assert t.is_alive(), "a fourth bucket must wait for room"
+    buckets = [EncodedBucket([], k, sink) for k in range(3)]
+    buckets[1].release()
+    t.join(5)
+    assert not t.is_alive() and placed == [1]
+    buckets[1].release()  # twice: nothing more
+    assert pool.in_use == 3
+    sink.release(first=2)  # what the encoder does when it ends: the buckets never handed out
+    assert pool.released == [25, 35, 7] and sorted(sink.held) == [0]
+    sink.release_oldest()
+    assert pool.in_use == 0 and sink.held == {}
+    sink.release()  # nothing left: nothing happens
+    assert pool.in_use == 0
+    full = _PooledSink(pool, depth=1)  # type: ignore[arg-type]
+    full.place(np.asarray([1]))
+    full.closed = True  # a closed sink without room refuses new buckets instead of waiting
+    with pytest.raises(_Stopped):
+        full.place(np.asarray([1]))
+    full.release()

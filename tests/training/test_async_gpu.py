@@ -201,7 +201,7 @@ def test_overlapped_staging_returns_first_and_keeps_the_save_step_state(tmp_path
     sd = _state(model, optim)
     want = _snapshot(sd)
     stager = NvcompStager(async_staging=True)
-    torch.cuda._sleep(200_000_000)  # the stream is busy: nothing queued after this has run yet
+    torch.cuda._sleep(2_000_000_000)  # ~1 s busy: nothing queued after this runs before the call returns
     response = dcp.async_save(sd, storage_writer=nvdcp.NvcompWriter(tmp_path), async_stager=stager)
     assert isinstance(response, AsyncSaveResponse)
     assert not response.staging_completion.done()  # returned before compression (and the snapshot)

@@ -1,0 +1,61 @@
+"""zstd's variant for float sign+exponent planes: ordinary zstd frames (any decoder reads them),
+smaller and the same bitstream id; used only for float planes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import zstandard
+
+from nvdcp.codecs import cpu_codec
+from nvdcp.codecs.zstd import SPARSE_PLANE_HASH_LOG, ZstdCodec
+from nvdcp.format.dtypes import dtype_code
+from nvdcp.format.header import KIND_BYTES, KIND_TENSOR, TRANSFORM_BYTEPLANES, TRANSFORM_NONE
+from nvdcp.pipeline import cpu
+
+
+def _top_plane(n: int = 1 << 18) -> bytes:
+    t = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    return np.ascontiguousarray(t.numpy().view(np.uint8).reshape(-1, 4)[:, 3]).tobytes()
+
+
+def test_sparse_variant_writes_plain_zstd_frames() -> None:
+    codec = cpu_codec("zstd")
+    sparse = codec.for_sparse_planes()
+    assert isinstance(sparse, ZstdCodec) and sparse.hash_log == SPARSE_PLANE_HASH_LOG
+    assert sparse.codec_id == codec.codec_id and sparse.for_sparse_planes() is sparse
+    assert codec.for_sparse_planes() is sparse  # one instance (and its per-thread compressors)
+    plane = _top_plane()
+    for at in range(0, len(plane), 65536):
+        chunk = plane[at : at + 65536]
+        frame = sparse.encode(chunk)
+        # what an old reader does: a fresh decompressor, no knowledge of the encoder's settings
+        assert zstandard.ZstdDecompressor().decompress(frame) == chunk
+        out = bytearray(len(chunk))
+        codec.decode(frame, memoryview(out))
+        assert out == chunk
+        assert len(frame) <= len(codec.encode(chunk))
+
+
+def test_codecs_without_a_variant_return_themselves() -> None:
+    for name in ("none", "zstd"):
+        codec = cpu_codec(name)
+        assert type(codec.for_sparse_planes()) is type(codec)
+
+
+@pytest.mark.parametrize(
+    ("kind", "dtype", "transform", "sparse"),
+    [
+        (KIND_TENSOR, torch.float32, TRANSFORM_BYTEPLANES, True),
+        (KIND_TENSOR, torch.bfloat16, TRANSFORM_BYTEPLANES, True),
+        (KIND_TENSOR, torch.complex64, TRANSFORM_BYTEPLANES, True),
+        (KIND_TENSOR, torch.int32, TRANSFORM_BYTEPLANES, False),
+        (KIND_TENSOR, torch.float32, TRANSFORM_NONE, False),
+        (KIND_BYTES, None, TRANSFORM_NONE, False),
+    ],
+)
+def test_only_float_planes_get_the_variant(kind: int, dtype: torch.dtype | None, transform: int, sparse: bool) -> None:
+    code = dtype_code(dtype) if dtype is not None else 0
+    assert cpu._float_planes(kind, code, transform) is sparse
+    assert cpu._float_planes(KIND_TENSOR, 250, TRANSFORM_BYTEPLANES) is False  # unknown code: plain settings

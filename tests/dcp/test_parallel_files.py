@@ -1,0 +1,273 @@
+"""The writer's parallel data files, exercised without a GPU.
+
+GPU records reach the files through ``ItemEncoder.encode_gpu_buckets``: buckets of records whose
+chunks view one shared (pinned) buffer each, released when every record of the bucket is
+written. Here a fake encoder stands in for the GPU: it routes float64 tensors to that path,
+encodes them on the CPU into bucket buffers that are poisoned on release, and holds at most
+``depth`` buckets at once (as the GPU encoder's sink does). A record written after its bucket
+went back would load wrong; a writer that closes the buckets before its files finished, or
+that deadlocks on an error, fails here.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import nvdcp
+from nvdcp.dcp import writer as writer_mod
+from nvdcp.format.digest import read_digests
+from nvdcp.gpu.config import GpuConfig
+from nvdcp.pipeline.config import EncodeConfig
+from nvdcp.pipeline.cpu import EncodedItem
+from nvdcp.pipeline.encoder import ItemEncoder
+from nvdcp.storage.local import LocalStorage
+from tests.conftest import bit_equal, weights_like
+from tests.dcp.helpers import data_files, failure_of
+
+
+class _Bucket:
+    def __init__(self, owner: FakeGpu, records: list[tuple[Any, EncodedItem]], buf: bytearray) -> None:
+        self.records = records
+        self.owner = owner
+        self.buf = buf
+        self.released = False
+
+    def release(self) -> None:
+        with self.owner.lock:
+            if self.released:
+                return
+            self.released = True
+            self.owner.held -= 1
+            self.buf[:] = b"\xee" * len(self.buf)  # a late write of these records would store this
+
+
+class FakeGpu(ItemEncoder):
+    """float64 tensors take the 'GPU' path: buckets of ``per_bucket`` records."""
+
+    def __init__(self, per_bucket: int = 3, fail_after: int | None = None) -> None:
+        super().__init__(EncodeConfig(), GpuConfig())
+        self.per_bucket = per_bucket
+        self.fail_after = fail_after
+        self.lock = threading.Lock()
+        self.held = 0
+        self.max_held = 0
+        self.depths: list[int] = []
+        self.held_at_close: list[int] = []
+        self.buckets: list[_Bucket] = []
+
+    def uses_gpu(self, data: torch.Tensor, gpu_ok: bool | None = None) -> bool:
+        return data.dtype == torch.float64
+
+    def gpu_job(self, key: Any, tensor: torch.Tensor, where: str) -> Any:
+        return SimpleNamespace(key=key, tensor=tensor, where=where)
+
+    def encode_gpu_buckets(self, jobs: list[Any], depth: int = 2) -> Any:
+        self.depths.append(depth)
+        try:
+            for start in range(0, len(jobs), self.per_bucket):
+                if self.fail_after is not None and start >= self.fail_after:
+                    raise RuntimeError("encode failed on the device")
+                deadline = time.monotonic() + 20
+                while True:  # the GPU encoder's sink: at most `depth` buckets held
+                    with self.lock:
+                        if self.held < depth:
+                            self.held += 1
+                            self.max_held = max(self.max_held, self.held)
+                            break
+                    assert time.monotonic() < deadline, "buckets never released"
+                    time.sleep(0.001)
+                owned = []
+                for job in jobs[start : start + self.per_bucket]:
+                    e = self.encode_tensor(job.tensor, job.where, pool=None)
+                    owned.append((job, e.header, e.header_bytes, [bytes(c) for c in e.chunks]))
+                buf = bytearray(b"".join(c for *_, chunks in owned for c in chunks))
+                view, pos, records = memoryview(buf), 0, []
+                for job, header, header_bytes, chunks in owned:
+                    views = []
+                    for c in chunks:
+                        views.append(view[pos : pos + len(c)])
+                        pos += len(c)
+                    records.append((job, EncodedItem(header, header_bytes, views)))
+                bucket = _Bucket(self, records, buf)
+                self.buckets.append(bucket)
+                yield bucket
+        except GeneratorExit:  # the writer closes early only once its files are done
+            with self.lock:
+                self.held_at_close.append(self.held)
+            for b in self.buckets:
+                b.release()
+            raise
+
+
+def _state(n_gpu: int = 10, n_cpu: int = 5) -> dict[str, Any]:
+    sd: dict[str, Any] = {}
+    for i in range(n_gpu):
+        sd[f"g{i}"] = weights_like((200 + 37 * i, 64), seed=i).double()
+    for i in range(n_cpu):
+        sd[f"c{i}"] = weights_like((100 + i, 33), seed=100 + i)
+    sd["step"] = 7
+    sd["empty"] = torch.empty(0, dtype=torch.float64)
+    return sd
+
+
+def _save(sd: dict[str, Any], path: Path, enc: ItemEncoder, **kw: Any) -> nvdcp.NvcompWriter:
+    writer = nvdcp.NvcompWriter(path, encoder=enc, sync_files=False, on_identical_save="ignore", **kw)
+    dcp.save(sd, storage_writer=writer)
+    return writer
+
+
+def _load_same(sd: dict[str, Any], path: Path) -> None:
+    out = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in sd.items()}
+    dcp.load(out, storage_reader=nvdcp.NvcompReader(path))
+    for k, v in sd.items():
+        if isinstance(v, torch.Tensor):
+            assert bit_equal(out[k], v), k
+        else:
+            assert out[k] == v, k
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_gpu_records_spread_over_files_and_load_bit_exactly(tmp_path: Path, threads: int) -> None:
+    enc = FakeGpu(per_bucket=3)
+    sd = _state()
+    try:
+        _save(sd, tmp_path, enc, thread_count=threads)
+    finally:
+        enc.close()
+    _load_same(sd, tmp_path)
+    names = data_files(tmp_path)
+    assert len(names) == threads
+    md = nvdcp.NvcompReader(tmp_path).read_metadata()
+    used = {info.relative_path for info in md.storage_data.values()}
+    assert used == set(names), "every file holds records"
+    # one encode of every GPU item, all buckets released before the encode was closed
+    assert enc.depths == [2 if threads == 1 else writer_mod.PARALLEL_DEPTH]
+    assert all(h == 0 for h in enc.held_at_close) and enc.max_held <= enc.depths[0]
+    assert all(b.released for b in enc.buckets)
+    # the digest record covers every item, in storage_data's order
+    digests = read_digests(md)
+    assert digests.status == "recorded" and set(digests.by_index) == set(md.storage_data)
+
+
+def test_gpu_bytes_are_balanced_over_files(tmp_path: Path) -> None:
+    enc = FakeGpu(per_bucket=2)
+    sd = {f"g{i}": weights_like((512, 64), seed=i).double() for i in range(16)}
+    try:
+        _save(sd, tmp_path, enc, thread_count=4)
+    finally:
+        enc.close()
+    sizes = [os.path.getsize(tmp_path / n) for n in data_files(tmp_path)]
+    assert len(sizes) == 4 and max(sizes) < 2 * min(sizes), sizes
+    _load_same(sd, tmp_path)
+
+
+def test_results_follow_the_plan_order(tmp_path: Path) -> None:
+    enc = FakeGpu(per_bucket=4)
+    sd = _state(n_gpu=9, n_cpu=3)
+    try:
+        w = _save(sd, tmp_path / "a", enc, thread_count=3)
+    finally:
+        enc.close()
+    assert w.last_report is not None
+    md = nvdcp.NvcompReader(tmp_path / "a").read_metadata()
+    fqns = [ix.fqn for ix in md.storage_data]
+    assert sorted(fqns) == sorted(sd)
+
+
+def test_a_failing_file_fails_the_save_without_hanging(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    append = writer_mod._RecordWriter.append
+    calls = {"n": 0}
+
+    def failing(self: Any, encoded: EncodedItem) -> int:
+        if encoded.header.dtype_code == 8 or encoded.header.raw_nbytes > 50_000:  # a 'GPU' record
+            calls["n"] += 1
+            if calls["n"] == 4:
+                raise OSError(28, "No space left on device")
+        return append(self, encoded)
+
+    monkeypatch.setattr(writer_mod._RecordWriter, "append", failing)
+    enc = FakeGpu(per_bucket=2)
+    try:
+        with pytest.raises(BaseException) as info:
+            _save(_state(n_gpu=16), tmp_path, enc, thread_count=3)
+    finally:
+        enc.close()
+    assert "No space left" in str(failure_of(info.value))
+    assert all(h == 0 for h in enc.held_at_close) and all(b.released for b in enc.buckets)
+    assert data_files(tmp_path) == []  # every file of the failed save aborted
+
+
+def test_a_failing_gpu_encode_fails_the_save_without_hanging(tmp_path: Path) -> None:
+    enc = FakeGpu(per_bucket=2, fail_after=4)
+    try:
+        with pytest.raises(BaseException) as info:
+            _save(_state(n_gpu=12), tmp_path, enc, thread_count=4)
+    finally:
+        enc.close()
+    assert "encode failed on the device" in str(failure_of(info.value))
+    assert all(b.released for b in enc.buckets)
+    assert data_files(tmp_path) == []
+
+
+def test_a_failing_cpu_item_fails_the_save_without_hanging(tmp_path: Path) -> None:
+    enc = FakeGpu(per_bucket=2)
+    original = enc.encode_tensor
+
+    def boom(tensor: torch.Tensor, where: str, pool: Any = True) -> EncodedItem:
+        if where.endswith(" c2"):
+            raise ValueError(f"{where}: cannot encode")
+        return original(tensor, where, pool)
+
+    enc.encode_tensor = boom  # type: ignore[method-assign]
+    try:
+        with pytest.raises(BaseException) as info:
+            _save(_state(n_gpu=8), tmp_path, enc, thread_count=3)
+    finally:
+        enc.close()
+    assert "cannot encode" in str(failure_of(info.value))
+    assert all(b.released for b in enc.buckets)
+    assert data_files(tmp_path) == []
+
+
+def test_thread_count_none_picks_files_by_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    local = LocalStorage(tmp_path / "x", sync=False)
+    cores = min(writer_mod.AUTO_MAX_FILES, os.cpu_count() or 1)
+    assert writer_mod.auto_file_count(local, 0) == 1
+    assert writer_mod.auto_file_count(local, writer_mod.AUTO_FILE_BYTES) == 1
+    assert writer_mod.auto_file_count(local, 100 * writer_mod.AUTO_FILE_BYTES) == cores
+    assert writer_mod.auto_file_count(SimpleNamespace(), 100 * writer_mod.AUTO_FILE_BYTES) == 1  # type: ignore[arg-type]
+    assert nvdcp.NvcompWriter(tmp_path / "d").thread_count is None
+    monkeypatch.setattr(writer_mod, "AUTO_FILE_BYTES", 1024)
+    sd = {f"w{i}": weights_like((64, 64), seed=i) for i in range(12)}
+    dcp.save(sd, storage_writer=nvdcp.NvcompWriter(tmp_path / "auto", sync_files=False))
+    assert len(data_files(tmp_path / "auto")) == cores
+    _load_same(sd, tmp_path / "auto")
+    dcp.save(sd, storage_writer=nvdcp.NvcompWriter(tmp_path / "one", thread_count=1, sync_files=False))
+    assert len(data_files(tmp_path / "one")) == 1
+
+
+def test_large_records_go_out_in_small_calls_when_files_run_in_parallel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sizes: list[int] = []
+    monkeypatch.setattr(writer_mod, "SMALL_WRITE_RUN_BYTES", 64 << 10)
+    from nvdcp.storage.local import _LocalWriteStream as stream_cls
+    writelines = stream_cls.writelines
+
+    def spy(self: Any, parts: Any) -> None:
+        parts = list(parts)
+        sizes.append(sum(memoryview(p).nbytes for p in parts))
+        writelines(self, parts)
+
+    monkeypatch.setattr(stream_cls, "writelines", spy)
+    sd = {f"w{i}": torch.randn(300_000, generator=torch.Generator().manual_seed(i)) for i in range(2)}
+    dcp.save(sd, storage_writer=nvdcp.NvcompWriter(tmp_path / "c", thread_count=2, sync_files=False, codec="none"))
+    assert sizes and max(sizes) <= (64 << 10) + 65536 + 4096, max(sizes)
+    _load_same(sd, tmp_path / "c")

@@ -1,0 +1,180 @@
+"""Runs :class:`nvdcp.gpu.decoder.GpuDecoder`'s pass logic on CPU tensors: the Triton kernels
+(device CRC32C, plane merge) under ``TRITON_INTERPRET=1``, nvCOMP replaced by the CPU codecs.
+Started by tests/gpu/test_decoder_host.py in a subprocess (the interpreter must be chosen before
+Triton compiles anything); exits non-zero on a failed check.
+
+    TRITON_INTERPRET=1 python -m tests.gpu.host_decoder_run [--legacy] [--interpret-crc]
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def _fake_nvcomp() -> None:
+    fake = types.ModuleType("nvidia.nvcomp")
+
+    def as_arrays(buf: torch.Tensor, starts: list[int], sizes: list[int], cuda_stream: int = 0) -> list[Any]:
+        assert buf.dim() == 1 and buf.dtype == torch.uint8
+        return [(buf, s, n) for s, n in zip(starts, sizes)]
+
+    fake.as_arrays = as_arrays  # type: ignore[attr-defined]
+    try:
+        import nvidia  # noqa: F401
+    except ImportError:
+        sys.modules["nvidia"] = types.ModuleType("nvidia")
+    sys.modules["nvidia.nvcomp"] = fake
+    sys.modules["nvidia"].nvcomp = fake  # type: ignore[attr-defined]
+
+
+class _FakeCodec:
+    calls = 0
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def decode(self, src: list[Any], out: list[Any]) -> Any:
+        from nvdcp.codecs import cpu_codec
+
+        _FakeCodec.calls += 1
+        sizes = []
+        for (sb, ss, sn), (db, ds, dn) in zip(src, out):
+            assert ss % 256 == 0 and ds % 256 == 0, "unaligned slot"
+            data = sb[ss : ss + sn].numpy().tobytes()
+            cpu_codec(self.name).decode(data, memoryview(db[ds : ds + dn].numpy()))
+            sizes.append(dn)
+        return types.SimpleNamespace(buffer_sizes=sizes)
+
+
+class _FakeCache:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def get(self, name: str, data_type: str | None) -> tuple[Any, int]:
+        return _FakeCodec(name), 0
+
+
+class _Pool:
+    """Stands in for PinnedPool (no pinned memory without CUDA)."""
+
+    def __init__(self) -> None:
+        self.out = 0
+
+    def acquire(self, n: int) -> torch.Tensor:
+        self.out += 1
+        return torch.full((n,), 0xAB, dtype=torch.uint8)
+
+    def release(self, buf: torch.Tensor) -> None:
+        self.out -= 1
+
+
+def main() -> None:
+    legacy = "--legacy" in sys.argv  # item-by-item torch merge, checksums on the host
+    if legacy:
+        import os
+
+        os.environ["NVDCP_GPU_MERGE"] = os.environ["NVDCP_DEVICE_CRC"] = "0"
+    _fake_nvcomp()
+    from nvdcp.errors import CorruptCheckpointError
+    from nvdcp.format.header import parse_item_header_only
+    from nvdcp.gpu import decoder as dec_mod
+    from nvdcp.pipeline.config import EncodeConfig
+    from nvdcp.pipeline.cpu import chunk_table
+    from nvdcp.pipeline.encoder import ItemEncoder
+
+    dec_mod.CodecCache = _FakeCache  # type: ignore[misc,assignment]
+    if "--interpret-crc" not in sys.argv:
+        # The CRC32C kernel's own tests run it under the interpreter (tests/gpu/test_crc32c.py);
+        # here the host computes the same values from the ranges the decoder uploads (minutes less).
+        from nvdcp.format.crc import checksum_ranges
+
+        def host_crcs(buf: torch.Tensor, offsets: Any, lengths: Any, expected: Any = None) -> tuple[Any, Any]:
+            assert expected is None
+            got = checksum_ranges(buf.numpy(), offsets.numpy(), lengths.numpy())
+            return torch.from_numpy(got.view(np.int32).copy()), None
+
+        dec_mod.crc32c.checksum_ranges_device = host_crcs  # type: ignore[assignment]
+    rng = np.random.default_rng(0)
+    sd: dict[str, torch.Tensor] = {
+        # several passes each at the smallest budget (64 blocks of 1 KiB per plane and pass)
+        "big0": torch.from_numpy((rng.standard_normal(150_001) * 0.02).astype(np.float32)),
+        "big1": torch.from_numpy((rng.standard_normal(140_000) * 0.02).astype(np.float32)),
+        "f32": torch.from_numpy((rng.standard_normal(3_000) * 0.02).astype(np.float32)),
+        "bf16": torch.from_numpy((rng.standard_normal(1_201) * 0.1).astype(np.float32)).to(torch.bfloat16),
+        "u8": torch.from_numpy(rng.integers(0, 4, 2_500, dtype=np.uint8)),
+        "f64": torch.from_numpy(rng.standard_normal(300)),
+        "c64": torch.from_numpy(rng.standard_normal(150) + 1j * rng.standard_normal(150)).to(torch.complex64),
+        "i32": torch.from_numpy(rng.integers(-5, 5, (13, 21)).astype(np.int32)),
+        "one": torch.tensor([1.5]),
+        "empty": torch.empty(0, 3),
+    }
+    for i in range(6):
+        sd[f"s{i}"] = torch.from_numpy((rng.standard_normal(int(rng.integers(1, 700))) * 0.02).astype(np.float32))
+    for codec in ("auto", "zstd", "none"):
+        enc = ItemEncoder(EncodeConfig(codec=codec, chunk_bytes=1024))
+        try:
+            records = {k: item.header_bytes + b"".join(bytes(c) for c in item.chunks)
+                       for k, item in enc.encode_items(sd.items(), str)}
+        finally:
+            enc.close()
+        pool = _Pool()
+        for budget in (1, 64 << 20):  # many passes (the smallest budget), then one
+            decoder = dec_mod.GpuDecoder(torch.device("cpu"), budget_bytes=budget, pinned=pool)  # type: ignore[arg-type]
+            assert decoder.fused is not legacy, "the interpreter should run the fused path"
+            requests, dests = [], []
+            for i, (key, rec) in enumerate(records.items()):
+                header = parse_item_header_only(memoryview(rec), key)
+                payload = np.frombuffer(rec, dtype=np.uint8)[header.header_bytes :]
+                table = chunk_table(rec, header) if i % 2 else None
+                out = None
+                if i % 3:
+                    dests.append((key, torch.zeros_like(sd[key])))
+                    out = dests[-1][1].reshape(-1).view(torch.uint8) if sd[key].numel() else None
+                    if out is None:
+                        dests.pop()
+                if i % 5 == 1:  # a scatter read from "storage"
+                    starts = np.concatenate([[0], np.cumsum(table[0] if table else [s for s, _ in header.chunks])])
+
+                    def fill(first: int, buffers: list[memoryview], payload: np.ndarray = payload,
+                             starts: np.ndarray = starts) -> None:
+                        pos = int(starts[first])
+                        for b in buffers:
+                            b[:] = payload[pos : pos + len(b)].data
+                            pos += len(b)
+
+                    requests.append(dec_mod.DecodeRequest(header, sd[key].dtype, key, fill=fill, out=out, table=table))
+                else:
+                    requests.append(dec_mod.DecodeRequest(header, sd[key].dtype, key, payload=payload, out=out, table=table))
+            outs = decoder.decode_many(requests)
+            assert pool.out == 0, "staging buffers leaked"
+            for (key, _), got in zip(records.items(), outs):
+                want = sd[key].contiguous().reshape(-1).view(torch.uint8)
+                assert torch.equal(got, want), (codec, budget, key)
+            for key, dest in dests:
+                assert torch.equal(dest, sd[key]), (codec, budget, key)
+        # a damaged chunk is caught before decoding and named
+        key = "f32"
+        rec = bytearray(records[key])
+        header = parse_item_header_only(memoryview(bytes(rec)), key)
+        chunk = 5
+        at = header.header_bytes + sum(s for s, _ in header.chunks[:chunk]) + header.chunks[chunk][0] // 2
+        rec[at] ^= 0x10
+        payload = np.frombuffer(bytes(rec), dtype=np.uint8)[header.header_bytes :]
+        decoder = dec_mod.GpuDecoder(torch.device("cpu"), budget_bytes=1, pinned=pool)  # type: ignore[arg-type]
+        try:
+            decoder.decode_many([dec_mod.DecodeRequest(header, torch.float32, "item f32", payload=payload)])
+        except CorruptCheckpointError as exc:
+            assert f"item f32: chunk {chunk} " in str(exc) and "checksum mismatch" in str(exc), exc
+        else:
+            raise AssertionError("damaged chunk not caught")
+        assert pool.out == 0
+        print(f"{codec}: ok ({_FakeCodec.calls} codec calls)")
+
+
+if __name__ == "__main__":
+    main()
