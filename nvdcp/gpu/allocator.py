@@ -21,8 +21,10 @@ two allocators:
   event has completed, so work nvCOMP queued on the block before freeing it is done before
   anyone else writes it.
 
-``NVDCP_NVCOMP_ALLOCATOR=nvcomp`` keeps nvCOMP's own allocators (for comparison: the env var is
-read once, when the allocators are installed); ``torch`` (the default) installs the above.
+``NVDCP_NVCOMP_ALLOCATOR=torch`` installs the above (experimental, off by default: on the H200
+with nvCOMP 6.0.0.12 reading the stream argument inside the hook crashed the process, see
+``requested_mode``); ``nvcomp`` (the default) keeps nvCOMP's own allocators. The env var is read
+once, when the allocators are installed.
 When the stream of an allocation cannot be worked out, a free synchronizes the device before the
 memory is reused: what ``cudaFree`` does, so never less safe than nvCOMP's default.
 """
@@ -47,11 +49,14 @@ _installed: str | None = None  # the mode in effect once installed
 
 
 def requested_mode() -> str:
-    """The allocator ``NVDCP_NVCOMP_ALLOCATOR`` asks for (``torch`` when unset or unknown)."""
-    value = os.environ.get(ENV_VAR, "").strip().lower() or "torch"
+    """The allocator ``NVDCP_NVCOMP_ALLOCATOR`` asks for (``nvcomp`` when unset or unknown).
+
+    Not ``torch`` by default: on the H200 (nvCOMP 6.0.0.12, torch 2.11) the first allocation
+    through the hook segfaulted reading the ``CudaStream`` argument's attributes."""
+    value = os.environ.get(ENV_VAR, "").strip().lower() or "nvcomp"
     if value not in MODES:
-        logger.warning("%s=%r is not one of %s; using 'torch'", ENV_VAR, value, "/".join(MODES))
-        return "torch"
+        logger.warning("%s=%r is not one of %s; using 'nvcomp'", ENV_VAR, value, "/".join(MODES))
+        return "nvcomp"
     return value
 
 
