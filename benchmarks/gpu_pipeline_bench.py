@@ -44,6 +44,7 @@ import torch.distributed.checkpoint as dcp
 import nvdcp
 from benchmarks.common import dir_bytes, markdown_table, write_results
 from nvdcp.format.crc import checksum_ranges, native_available
+from nvdcp.gpu.config import GpuConfig
 
 GB = 1e9
 MiB = 1 << 20
@@ -158,6 +159,13 @@ WRITERS: dict[str, tuple[Callable[[str], Any], Callable[[str], Any]]] = {
                  lambda p: nvdcp.NvcompReader(p)),
     "nvdcp t8": (lambda p: nvdcp.NvcompWriter(p, thread_count=8, on_identical_save="ignore"),
                  lambda p: nvdcp.NvcompReader(p)),
+    # knobs: pinned host budget (GpuConfig.pinned_memory_bytes, 512 MiB by default), reader threads
+    "nvdcp pin1g": (lambda p: nvdcp.NvcompWriter(p, on_identical_save="ignore", gpu=GpuConfig(pinned_memory_bytes=1 << 30)),
+                    lambda p: nvdcp.NvcompReader(p, gpu=GpuConfig(pinned_memory_bytes=1 << 30))),
+    "nvdcp pin2g": (lambda p: nvdcp.NvcompWriter(p, on_identical_save="ignore", gpu=GpuConfig(pinned_memory_bytes=2 << 30)),
+                    lambda p: nvdcp.NvcompReader(p, gpu=GpuConfig(pinned_memory_bytes=2 << 30))),
+    "nvdcp r4": (lambda p: nvdcp.NvcompWriter(p, on_identical_save="ignore"), lambda p: nvdcp.NvcompReader(p, thread_count=4)),
+    "nvdcp r16": (lambda p: nvdcp.NvcompWriter(p, on_identical_save="ignore"), lambda p: nvdcp.NvcompReader(p, thread_count=16)),
 }
 
 

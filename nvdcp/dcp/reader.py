@@ -89,6 +89,11 @@ logger = logging.getLogger(__name__)
 
 #: Default ``thread_count``: items fetched and decoded at once, at most this many (and the cores).
 DEFAULT_MAX_THREADS = 8
+#: GPU decode batches in flight at once, at most. More threads only contend for the GIL between
+#: nvCOMP calls and get smaller shares of the scratch: on the H200, 4 GB in 64 MiB tensors from
+#: /dev/shm loaded in 0.64-0.94 s with 4 reader threads, 1.07 s with 8, 1.69-1.73 s with 16
+#: (benchmarks/results/gpu_pipeline_bench_2026-12-01_h200_knobs_large.json).
+MAX_GPU_THREADS = 4
 #: The GPU path first reads this much of a record, which holds the header of any item up to
 #: ~500 MiB at 64 KiB chunks; a larger header costs one more read.
 HEADER_PREFIX_BYTES = 1 << 16
@@ -112,6 +117,7 @@ def narrow(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
 
 
 _Load = TypeVar("_Load", bound=Callable[..., Any])
+_T = TypeVar("_T")
 _rereading = threading.local()
 
 
@@ -400,16 +406,21 @@ class NvcompReader(StorageReader):
             return None
         return torch.device("cuda", torch.cuda.current_device())
 
+    @property
+    def gpu_threads(self) -> int:
+        """GPU decode batches in flight at once: ``thread_count``, at most :data:`MAX_GPU_THREADS`."""
+        return min(self.thread_count, MAX_GPU_THREADS)
+
     def _gpu_decoder(self, device: torch.device) -> Any:
         from nvdcp.gpu.decoder import GpuDecoder
         from nvdcp.gpu.pinned import shared_pool
 
         cache = self._decoders.__dict__.setdefault("by_device", {})
         if device not in cache:
-            budget = self.gpu.gpu_budget(device) // self.thread_count
+            budget = self.gpu.gpu_budget(device) // self.gpu_threads
             cache[device] = GpuDecoder(
                 device, budget_bytes=budget, gdeflate_type=self.gpu.gdeflate_algorithm_type,
-                pinned_bytes=self.gpu.pinned_memory_bytes // self.thread_count,
+                pinned_bytes=self.gpu.pinned_memory_bytes // self.gpu_threads,
                 pinned=shared_pool(self.gpu.pinned_memory_bytes),
             )
         return cache[device]
@@ -576,7 +587,7 @@ class NvcompReader(StorageReader):
             device = devices[index]
             assert device is not None
             if device not in limits:
-                limits[device] = self.gpu.gpu_budget(device) // (2 * self.thread_count)
+                limits[device] = self.gpu.gpu_budget(device) // (2 * self.gpu_threads)
             limit = limits[device]
             size = self._place(index)[2]
             items, total = open_.get(device, ([], 0))
@@ -650,8 +661,9 @@ class NvcompReader(StorageReader):
             if isinstance(task, _CpuBatch):
                 for item in task.items:
                     cpu.resolve(item)
+        gpu_slots = threading.BoundedSemaphore(self.gpu_threads)
         for device, batch in self._gpu_batches([ix for ix in order if devices[ix] is not None], devices):
-            tasks.append(functools.partial(self._load_gpu_batch, batch, device, report))
+            tasks.append(functools.partial(_holding, gpu_slots, self._load_gpu_batch, batch, device, report))
         window = READ_WINDOW_PER_THREAD * self.thread_count
         with ThreadPoolExecutor(self.thread_count, thread_name_prefix="nvdcp-read") as io_pool:
             pending: list[PyFuture[Sequence[tuple[MetadataIndex, ItemHeader | None, Any]]] | _Deferred] = []
@@ -1110,6 +1122,12 @@ def _naming_item(where: object) -> Iterator[None]:
 @functools.cache
 def _element_size(dtype: torch.dtype | None) -> int:
     return torch.empty((), dtype=dtype).element_size() if dtype is not None else 1
+
+
+def _holding(slots: threading.BoundedSemaphore, fn: Callable[..., _T], *args: Any) -> _T:
+    """``fn(*args)`` while holding one of ``slots``."""
+    with slots:
+        return fn(*args)
 
 
 def describe_index(index: MetadataIndex) -> str:
