@@ -4,9 +4,10 @@ For a little-endian float the last byte of each element holds the sign and the t
 bits; it is highly compressible (2.6-3.8 bits of entropy per byte on model weights and Adam
 moments, measured on the reference workload of nvdcp/demo/) while the mantissa bytes are near-random. Plane ``k`` holds byte ``k`` of
 every element, so a codec sees the compressible plane on its own and the others can be stored
-raw. This module is the CPU (numpy) implementation; :mod:`nvdcp.gpu` has the torch one.
-numpy is used because its strided copy measured 2.0 GB/s on one core here, against 0.3 GB/s
-for the same transpose through torch's CPU kernels.
+raw. This module holds the plane policy and the numpy reference of the transpose (numpy's
+strided copy measured 2.0 GB/s on one core here, against 0.3 GB/s through torch's CPU kernels);
+the CPU codec path splits and merges through the native library when it is built
+(:func:`nvdcp.pipeline.cpu.split_planes`, same bytes) and :mod:`nvdcp.gpu` on the device.
 """
 
 from __future__ import annotations

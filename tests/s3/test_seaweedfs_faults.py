@@ -11,7 +11,7 @@ declares the checkpoint corrupt (``NvcompReader.reread_attempts``); a whole-obje
 ``CorruptCheckpointError`` naming file, item and chunk. These run against moto and SeaweedFS.
 
 The stress test injects several hundred flips both ways and checks that no load ever returns a
-wrong tensor and no multipart upload is left open (``NVDCP_CORRUPTION_ROUNDS``, default 16, and
+wrong tensor and no multipart upload is left open (``NVDCP_CORRUPTION_ROUNDS``, default 36, and
 ``NVDCP_CORRUPTION_SEED`` run it longer or with other draws).
 """
 
@@ -237,7 +237,7 @@ def test_download_damaged_every_time_names_file_item_and_chunk(any_s3env: S3Env)
 
 # -- many faults both ways -------------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.timeout(int(os.environ.get("NVDCP_CORRUPTION_ROUNDS", "16")) * 30 + 120)
+@pytest.mark.timeout(int(os.environ.get("NVDCP_CORRUPTION_ROUNDS", "36")) * 30 + 120)
 def test_random_damage_both_ways_never_loads_a_wrong_tensor(seaweed_env: S3Env) -> None:
     """Rounds of save and load through a proxy that damages 30% of upload bodies and 25% of download
     bodies, with no limit per request (so some operations fail for good). A save either completes
@@ -246,7 +246,7 @@ def test_random_damage_both_ways_never_loads_a_wrong_tensor(seaweed_env: S3Env) 
     and then the stored checkpoint loads bit-exactly without the proxy (the damage was in transit);
     no multipart upload is ever left open."""
     env = seaweed_env
-    rounds, outcomes = int(os.environ.get("NVDCP_CORRUPTION_ROUNDS", "16")), collections.Counter[str]()
+    rounds, outcomes = int(os.environ.get("NVDCP_CORRUPTION_ROUNDS", "36")), collections.Counter[str]()
     seed = int(os.environ.get("NVDCP_CORRUPTION_SEED", "11"))
     started = time.monotonic()
     with CorruptingProxy(
