@@ -71,30 +71,25 @@ def file_rates(buf: np.ndarray, where: str) -> dict[str, float]:
     os.makedirs(where, exist_ok=True)
     view = memoryview(buf)
 
-    def write(parts: int) -> None:
+    def run(parts: int, mode: str) -> None:
+        """Write (``"wb"``) or read back (``"rb"``) the buffer as ``parts`` files, one thread each."""
         step = -(-buf.size // parts)
 
         def one(i: int) -> None:
-            with open(os.path.join(where, f"p{i}"), "wb", buffering=0) as f:
-                f.write(view[i * step : (i + 1) * step])
-
-        with ThreadPoolExecutor(parts) as pool:
-            list(pool.map(one, range(parts)))
-
-    def read(parts: int) -> None:
-        step = -(-buf.size // parts)
-
-        def one(i: int) -> None:
-            with open(os.path.join(where, f"p{i}"), "rb", buffering=0) as f:
-                f.readinto(view[i * step : (i + 1) * step])
+            with open(os.path.join(where, f"p{i}"), mode, buffering=0) as f:
+                part = view[i * step : (i + 1) * step]
+                if mode == "wb":
+                    f.write(part)
+                else:
+                    f.readinto(part)
 
         with ThreadPoolExecutor(parts) as pool:
             list(pool.map(one, range(parts)))
 
     out = {}
     for parts in (1, 4, 8):
-        out[f"write_t{parts}"] = buf.size / _best(lambda: write(parts)) / 1e9
-        out[f"read_t{parts}"] = buf.size / _best(lambda: read(parts)) / 1e9
+        out[f"write_t{parts}"] = buf.size / _best(lambda: run(parts, "wb")) / 1e9
+        out[f"read_t{parts}"] = buf.size / _best(lambda: run(parts, "rb")) / 1e9
         for name in os.listdir(where):
             os.remove(os.path.join(where, name))
     return out
