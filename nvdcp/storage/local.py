@@ -101,11 +101,7 @@ def _preadv_all(fd: int, path: str, offset: int, buffers: Sequence[memoryview]) 
         if n == 0:
             raise TruncatedCheckpointError(f"{path}: file ends at offset {pos}, before the item does")
         pos += n
-        while i < len(pending) and n >= len(pending[i]):
-            n -= len(pending[i])
-            i += 1
-        if n:
-            pending[i] = pending[i][n:]
+        i = _consume(pending, i, n)
 
 
 def _pwritev_all(fd: int, offset: int, views: Sequence[memoryview]) -> None:
@@ -114,11 +110,18 @@ def _pwritev_all(fd: int, offset: int, views: Sequence[memoryview]) -> None:
     while i < len(pending):
         n = os.pwritev(fd, pending[i : i + _IOV_MAX], pos)
         pos += n
-        while i < len(pending) and n >= len(pending[i]):
-            n -= len(pending[i])
-            i += 1
-        if n:
-            pending[i] = pending[i][n:]
+        i = _consume(pending, i, n)
+
+
+def _consume(pending: list[memoryview], i: int, n: int) -> int:
+    """Drop ``n`` bytes that a vectored call moved from ``pending[i:]`` (a short call can stop
+    inside a buffer: its rest stays pending); returns the first buffer not done."""
+    while i < len(pending) and n >= len(pending[i]):
+        n -= len(pending[i])
+        i += 1
+    if n:
+        pending[i] = pending[i][n:]
+    return i
 
 
 def _scatter_read(fd: int, path: str, offset: int, buffers: Sequence[memoryview]) -> None:
