@@ -193,7 +193,8 @@ def _write_in_place(model: GPT, optim: torch.optim.Optimizer) -> None:
 
 @pytest.mark.xfail(
     reason="issue 14, open: on the H200 (torch 2.11) staging_completion was already done when async_save "
-    "returned behind a busy stream, i.e. the call waited for the queued work; cause not found yet",
+    "returned behind a busy stream, i.e. the call waited for the queued work (run without the warm-up "
+    "below; suspect: the first save's pinned allocation synchronizing the device); not rerun since",
     strict=False,
 )
 def test_overlapped_staging_returns_first_and_keeps_the_save_step_state(tmp_path: Path) -> None:
@@ -206,6 +207,8 @@ def test_overlapped_staging_returns_first_and_keeps_the_save_step_state(tmp_path
     sd = _state(model, optim)
     want = _snapshot(sd)
     stager = NvcompStager(async_staging=True)
+    stager.warm_up(sd)  # as the recipe does before training: buffers pinned outside the timed call
+    torch.cuda.synchronize()
     torch.cuda._sleep(2_000_000_000)  # ~1 s busy: nothing queued after this runs before the call returns
     response = dcp.async_save(sd, storage_writer=nvdcp.NvcompWriter(tmp_path), async_stager=stager)
     assert isinstance(response, AsyncSaveResponse)
