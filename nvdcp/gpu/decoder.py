@@ -270,6 +270,16 @@ class GpuDecoder:
                 used += cost
         return [segs for segs in passes if segs]
 
+    def _decode_after(self, uploaded: _Pass, decoding: _Pass | None, held: list[_Pass]) -> _Pass:
+        """Queue the decode of ``uploaded`` once its CRC check came back clean, after checking
+        (and giving back) the pass decoded before it; returns the pass now decoding."""
+        self._await_check(uploaded)
+        if decoding is not None:
+            self._check_decoded(decoding)
+            held.remove(decoding)
+        self._decode(uploaded)
+        return uploaded
+
     def _run(self, passes: list[list[_Segment]]) -> None:
         uploaded: _Pass | None = None  # copied in, its check queued, not decoded yet
         decoding: _Pass | None = None  # decode queued, nvCOMP's sizes not checked yet
@@ -279,20 +289,11 @@ class GpuDecoder:
                 staged = self._stage(segments)
                 held.append(staged)
                 if uploaded is not None:
-                    self._await_check(uploaded)
-                    if decoding is not None:
-                        self._check_decoded(decoding)
-                        held.remove(decoding)
-                    self._decode(uploaded)
-                    decoding = uploaded
+                    decoding = self._decode_after(uploaded, decoding, held)
                 self._upload(staged)
                 uploaded = staged
             if uploaded is not None:
-                self._await_check(uploaded)
-                if decoding is not None:
-                    self._check_decoded(decoding)
-                    held.remove(decoding)
-                self._decode(uploaded)
+                self._decode_after(uploaded, decoding, held)
                 self._check_decoded(uploaded)
                 held.remove(uploaded)
             self.stream.synchronize()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
@@ -27,3 +28,12 @@ def load(sd: dict[str, Any], path: str | os.PathLike[str], **kwargs: Any) -> nvd
 
 def data_files(path: str | os.PathLike[str]) -> list[str]:
     return sorted(n for n in os.listdir(path) if n.endswith(".nvdcp"))
+
+
+def item_span(path: Path, fqn: str) -> tuple[Path, int, int]:
+    """The data file, offset and length of the first stored item of ``fqn`` (to damage it)."""
+    md = nvdcp.NvcompReader(path).read_metadata()
+    for index, info in md.storage_data.items():
+        if index.fqn == fqn:
+            return path / info.relative_path, info.offset, info.length
+    raise KeyError(fqn)

@@ -16,7 +16,7 @@ import nvdcp
 from nvdcp.dcp import reader as reader_module
 from nvdcp.pipeline import encoder as encoder_module
 from tests.conftest import bit_equal, random_tensor, weights_like
-from tests.dcp.helpers import empty_like_sd, failure_of, load, save
+from tests.dcp.helpers import empty_like_sd, failure_of, item_span, load, save
 
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 
@@ -102,14 +102,6 @@ def test_thread_count_one(tmp_path: Path) -> None:
     _check(sd, back)
 
 
-def _item_span(path: Path, fqn: str) -> tuple[Path, int, int]:
-    md = nvdcp.NvcompReader(path).read_metadata()
-    for index, info in md.storage_data.items():
-        if index.fqn == fqn:
-            return path / info.relative_path, info.offset, info.length
-    raise KeyError(fqn)
-
-
 def _load_error(path: Path, sd: dict[str, Any]) -> BaseException:
     with pytest.raises((CheckpointException, nvdcp.NvdcpError)) as info:
         load(_fresh(sd), path)
@@ -125,7 +117,7 @@ def test_flipped_payload_byte_names_file_item_and_chunk(
         monkeypatch.setattr(reader_module, "CPU_SEGMENT_BYTES", 100_000)
     sd = _odd_state()
     save(sd, tmp_path)
-    f, off, length = _item_span(tmp_path, fqn)
+    f, off, length = item_span(tmp_path, fqn)
     data = bytearray(f.read_bytes())
     data[off + length - 7] ^= 0x04
     f.write_bytes(data)
@@ -141,7 +133,7 @@ def test_flipped_header_byte_names_the_item(tmp_path: Path, monkeypatch: pytest.
     monkeypatch.setattr(reader_module, "CPU_SEGMENT_BYTES", 100_000)
     sd = _odd_state()
     save(sd, tmp_path)
-    f, off, _ = _item_span(tmp_path, fqn)
+    f, off, _ = item_span(tmp_path, fqn)
     data = bytearray(f.read_bytes())
     data[off + 30] ^= 0x01
     f.write_bytes(data)
@@ -168,7 +160,7 @@ def test_metadata_shape_mismatch_is_caught(tmp_path: Path) -> None:
 def test_truncated_file_names_file_and_item(tmp_path: Path) -> None:
     sd = _odd_state()
     save(sd, tmp_path)
-    f, _, _ = _item_span(tmp_path, "small.0")
+    f, _, _ = item_span(tmp_path, "small.0")
     f.write_bytes(f.read_bytes()[:-10])
     err = _load_error(tmp_path, sd)
     assert isinstance(err, nvdcp.TruncatedCheckpointError)

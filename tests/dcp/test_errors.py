@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import nvdcp
 from nvdcp.format.header import checksum
 from tests.conftest import bit_equal, weights_like
-from tests.dcp.helpers import data_files, empty_like_sd, failure_of, load, save
+from tests.dcp.helpers import data_files, empty_like_sd, failure_of, item_span, load, save
 
 
 def _sd() -> dict[str, torch.Tensor]:
@@ -69,17 +69,9 @@ def test_missing_data_file(tmp_path: Path) -> None:
     assert name in str(err)
 
 
-def _item_span(path: Path, fqn: str) -> tuple[Path, int, int]:
-    md = nvdcp.NvcompReader(path).read_metadata()
-    for index, info in md.storage_data.items():
-        if index.fqn == fqn:
-            return path / info.relative_path, info.offset, info.length
-    raise KeyError(fqn)
-
-
 def test_bit_flip_in_payload_names_file_item_and_chunk(tmp_path: Path) -> None:
     save(_sd(), tmp_path)
-    f, off, length = _item_span(tmp_path, "layer.weight")
+    f, off, length = item_span(tmp_path, "layer.weight")
     data = bytearray(f.read_bytes())
     data[off + length - 100] ^= 0x10
     f.write_bytes(data)
@@ -91,7 +83,7 @@ def test_bit_flip_in_payload_names_file_item_and_chunk(tmp_path: Path) -> None:
 
 def test_bit_flip_in_header(tmp_path: Path) -> None:
     save(_sd(), tmp_path)
-    f, off, _ = _item_span(tmp_path, "layer.bias")
+    f, off, _ = item_span(tmp_path, "layer.bias")
     data = bytearray(f.read_bytes())
     data[off + 20] ^= 0x01
     f.write_bytes(data)
@@ -120,7 +112,7 @@ def _rewrite_item_header(f: Path, off: int, mutate: callable) -> None:
 
 def test_newer_item_format_version_is_refused(tmp_path: Path) -> None:
     save(_sd(), tmp_path)
-    f, off, _ = _item_span(tmp_path, "layer.weight")
+    f, off, _ = item_span(tmp_path, "layer.weight")
     _rewrite_item_header(f, off, lambda d, o: struct.pack_into("<H", d, o + 4, 99))
     err = _load_error(tmp_path)
     assert isinstance(err, nvdcp.FormatVersionError)
@@ -142,7 +134,7 @@ def test_gpu_only_codec_without_gpu_names_codec_and_item(tmp_path: Path) -> None
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     save(_sd(), tmp_path, codec="zstd")
-    f, off, _ = _item_span(tmp_path, "layer.weight")
+    f, off, _ = item_span(tmp_path, "layer.weight")
     # Re-label the compressed plane's codec as ANS (id 16), as a GPU save with codec="ans" would.
     n_planes, ndim = 4, 2
     codec_off = off + 28 + 8 * ndim
