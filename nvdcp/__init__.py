@@ -9,16 +9,20 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from nvdcp.dcp.delta import DeltaPolicy
 from nvdcp.dcp.planner import WeightsOnlyLoadPlanner
 from nvdcp.dcp.reader import NvcompReader, is_nvdcp_checkpoint
 from nvdcp.dcp.stager import NvcompStager
 from nvdcp.dcp.writer import NvcompWriter
 from nvdcp.errors import (
+    BaseMismatchError,
     CheckpointExistsError,
     CodecUnavailableError,
     CorruptCheckpointError,
+    DeltaBaseError,
     FormatVersionError,
     IncompleteCheckpointError,
+    MissingBaseError,
     MissingDataFileError,
     NotACheckpointDirectoryError,
     NvdcpError,
@@ -53,10 +57,14 @@ __all__ = [
     "NvcompWriter",
     "NvcompReader",
     "NvcompStager",
+    "DeltaPolicy",
     "WeightsOnlyLoadPlanner",
     "is_nvdcp_checkpoint",
     "NvdcpError",
+    "BaseMismatchError",
     "CheckpointExistsError",
+    "DeltaBaseError",
+    "MissingBaseError",
     "CodecUnavailableError",
     "CorruptCheckpointError",
     "FormatVersionError",

@@ -66,6 +66,19 @@ class StaleSaveError(NvdcpError, RuntimeError):
     (``on_identical_save="error"``); nothing was committed, the previous checkpoint is intact."""
 
 
+class DeltaBaseError(NvdcpError):
+    """A delta checkpoint's base (docs/FORMAT.md, "Delta checkpoints") cannot serve it."""
+
+
+class MissingBaseError(DeltaBaseError, FileNotFoundError):
+    """The base checkpoint a delta needs is gone (deleted, moved, or never committed)."""
+
+
+class BaseMismatchError(DeltaBaseError, CorruptCheckpointError):
+    """The checkpoint found where a delta's base should be is not the one it was saved against
+    (another save overwrote it) or one of its items differs from what the delta records."""
+
+
 class BucketNotFoundError(StorageError):
     """The bucket (or container) named in a storage URL does not exist.
 

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Stora
 from nvdcp.dcp.metadata_io import METADATA_NAME
 from nvdcp.dcp.save_guard import DATA_FILE, SaveGuard
 from nvdcp.errors import NvdcpError, StaleSaveError
+from nvdcp.format.delta import DELTA_ATTR
 from nvdcp.format.digest import DIGEST_ATTR, digest_record, pack_digests
 from nvdcp.format.file_info import file_info
 from nvdcp.format.header import pack_file_header
@@ -65,7 +66,7 @@ class CheckpointCommit:
 
     def commit(
         self, metadata: Metadata, storage_data: dict[MetadataIndex, Any], checkpoint_id: str, save_id: str,
-        *, stock_pickle: bool = False, digests: bytes | None = None,
+        *, stock_pickle: bool = False, digests: bytes | None = None, delta: dict[str, Any] | None = None,
     ) -> bytes:
         """Record ``storage_data`` in ``metadata``, check the data files, write ``.metadata``.
 
@@ -73,7 +74,10 @@ class CheckpointCommit:
         for checkpoints meant for stock readers. ``digests``: the items' digests packed in
         ``storage_data``'s order (:func:`split_results`), recorded as ``metadata.nvdcp_digests``;
         without them any digest record ``metadata`` carries (a copy of another checkpoint's)
-        is dropped, since it would not describe these records. Returns the committed bytes.
+        is dropped, since it would not describe these records. ``delta``: the base record of a
+        delta checkpoint (:class:`~nvdcp.format.delta.BaseRef`), recorded as
+        ``metadata.nvdcp_delta``; without it any such record is dropped likewise. Returns the
+        committed bytes.
 
         Raises:
             MissingDataFileError, TruncatedCheckpointError: a data file is missing or short;
@@ -85,6 +89,10 @@ class CheckpointCommit:
             setattr(metadata, DIGEST_ATTR, digest_record(digests))
         else:
             vars(metadata).pop(DIGEST_ATTR, None)
+        if delta is not None:
+            setattr(metadata, DELTA_ATTR, delta)
+        else:
+            vars(metadata).pop(DELTA_ATTR, None)
         blob = dump_metadata(metadata, pickle.DEFAULT_PROTOCOL if stock_pickle else pickle.HIGHEST_PROTOCOL)
         self.guard.check_data_files(storage_data)
         self.storage.write_atomic(METADATA_NAME, blob)

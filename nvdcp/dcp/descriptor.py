@@ -9,28 +9,40 @@ the bytes) and tells a reader, before it fetches anything, whether it can decode
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from nvdcp.codecs import codec_id
 from nvdcp.errors import CorruptCheckpointError, FormatVersionError, UnknownCodecError
-from nvdcp.format.header import FORMAT_VERSION
+from nvdcp.format.header import DELTA_ITEM_VERSION, FORMAT_VERSION, FULL_ITEM_VERSION
 
 PREFIX = "nvdcp."
 
 
 @functools.cache
-def descriptors(codec: str) -> tuple[str, ...]:
-    """The descriptor tuple for items whose main codec is ``codec``.
+def descriptors(codec: str, version: int = FULL_ITEM_VERSION) -> tuple[str, ...]:
+    """The descriptor tuple for items whose main codec is ``codec`` and whose record is of
+    ``version`` (2: a delta item, which needs its base checkpoint to load).
 
     Cached so every item shares one tuple object: pickle memoizes it, which keeps ``.metadata``
     within a few bytes per item of stock DCP's.
     """
-    return (f"{PREFIX}{codec}/{FORMAT_VERSION}",)
+    return (f"{PREFIX}{codec}/{version}",)
 
 
-def storage_info(relative_path: str, offset: int, length: int, codec: str) -> _StorageInfo:
-    return _StorageInfo(relative_path, offset, length, descriptors(codec))
+def storage_info(relative_path: str, offset: int, length: int, codec: str, delta: bool = False) -> _StorageInfo:
+    return _StorageInfo(
+        relative_path, offset, length, descriptors(codec, DELTA_ITEM_VERSION if delta else FULL_ITEM_VERSION)
+    )
+
+
+def is_delta(info: object) -> bool:
+    """Whether a storage record is an nvdcp delta item (descriptor version 2), from ``.metadata`` alone."""
+    descs: tuple[Any, ...] = tuple(getattr(info, "transform_descriptors", None) or ())
+    if len(descs) != 1 or not isinstance(descs[0], str):
+        return False
+    return descs[0].startswith(PREFIX) and descs[0].endswith(f"/{DELTA_ITEM_VERSION}")
 
 
 def parse(info: object, where: str) -> tuple[str, int]:

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import functools
 import io
+import itertools
 import logging
 import os
 import threading
@@ -52,13 +53,18 @@ from nvdcp.dcp.stock_items import (
     merge_fsspec_kwargs,
 )
 from nvdcp.errors import (
+    BaseMismatchError,
     CodecUnavailableError,
     CorruptCheckpointError,
     FormatVersionError,
+    IncompleteCheckpointError,
+    MissingBaseError,
     MissingDataFileError,
     NvdcpError,
     TruncatedCheckpointError,
 )
+from nvdcp.format.delta import BaseRef, base_candidates, read_delta
+from nvdcp.format.digest import DIGEST_ATTR, digest_of_header
 from nvdcp.format.dtypes import code_dtype
 from nvdcp.format.header import (
     KIND_BYTES,
@@ -219,6 +225,8 @@ class NvcompReader(StorageReader):
         self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]] | None = None
         #: descriptor tuples already checked (see _check_descriptor)
         self._good_descriptors: set[Any] = set()
+        #: the reader of this checkpoint's base when it is a delta (opened by set_up_storage_reader)
+        self.base: NvcompReader | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -230,6 +238,7 @@ class NvcompReader(StorageReader):
         self.__dict__.update(state)
         self._decoders = threading.local()
         self.__dict__.setdefault("_good_descriptors", set())
+        self.__dict__.setdefault("base", None)
 
     def _codec_pool(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -255,6 +264,99 @@ class NvcompReader(StorageReader):
             raise CorruptCheckpointError(f"{self.storage.url}: .metadata has no storage records")
         self.metadata = metadata
         self._chunks = None
+        self.base = self._open_base(metadata)
+
+    # -- delta checkpoints: the chain of bases, checked before any tensor is written ----------
+    def _open_base(self, metadata: Metadata) -> NvcompReader | None:
+        """The reader of the base this checkpoint was saved against (None: saved whole), found
+        and checked (recursively, down the chain) before any item is read.
+
+        Raises:
+            MissingBaseError: no checkpoint where the base should be.
+            BaseMismatchError: a checkpoint is there, but not the save the delta was written
+                against (another save id, or other item digests).
+        """
+        ref = read_delta(metadata, self.storage.url)
+        if ref is None:
+            return None
+        found: list[str] = []
+        for location in base_candidates(self.path, ref):
+            base = NvcompReader(
+                location, thread_count=self.thread_count, codec_threads=self.codec_threads,
+                storage_options=self.storage_options, gpu=self.gpu,
+            )
+            try:
+                base_md = base.read_metadata()
+            except IncompleteCheckpointError:
+                continue
+            problem = _base_problem(base_md, ref)
+            if problem is not None:
+                found.append(f"{location} ({problem})")
+                continue
+            base.set_up_storage_reader(base_md, False)  # its own base, checked in turn
+            return base
+        tried = ", ".join(base_candidates(self.path, ref))
+        if found:
+            raise BaseMismatchError(
+                f"{self.storage.url}: is a delta against save {ref.save_id} of {ref.location}, but "
+                f"{'; '.join(found)}: that base was overwritten; the delta cannot be loaded"
+            )
+        raise MissingBaseError(
+            f"{self.storage.url}: is a delta against {ref.location} (save {ref.save_id}), and no checkpoint "
+            f"is there (looked at {tried}); restore that checkpoint to load this one"
+        )
+
+    def item_raw(self, index: MetadataIndex, report: Report | None = None) -> tuple[ItemHeader, np.ndarray]:
+        """Fetch, verify and decode one nvdcp item into its raw bytes (host memory), a delta
+        resolved against its base chain. Everything is checked (this record's and each base
+        record's chunk CRC32Cs, each base item's digest against the one the delta records)
+        before the bytes are returned: nothing reaches a destination from a bad chain.
+
+        Raises:
+            BaseMismatchError: the base holds no such item, or another one than the delta's.
+            CorruptCheckpointError: a damaged record (file, item and chunk named).
+        """
+        name, offset, length = self.record_of(index)
+        where = self.where(index)
+        t0 = time.perf_counter()
+        with _naming_item(where):
+            record = memoryview(self.storage.read_range(name, offset, length))
+        t1 = time.perf_counter()
+        dtype, shape = self._expected(index)
+        element_size = _element_size(dtype)
+        header = parse_item_header(record, where)
+        base_raw = self._base_item(index, header, where) if header.is_delta else None
+        header, raw = decode_item(record, where, self._codec_pool(), element_size)
+        self._check_against_metadata(header, dtype, shape, element_size, where, descriptor.is_delta(self._record(index)))
+        if base_raw is not None:
+            np.bitwise_xor(raw, base_raw, out=raw)
+        if report is not None:
+            report.add(header.raw_nbytes, length, read_s=t1 - t0, decode_s=time.perf_counter() - t1)
+        return header, raw
+
+    def _base_item(self, index: MetadataIndex, header: ItemHeader, where: str) -> np.ndarray:
+        """The raw bytes of the base item a delta record ``header`` was saved against."""
+        base = self.base
+        if base is None:
+            raise CorruptCheckpointError(f"{where}: a delta item, but .metadata names no base checkpoint")
+        assert base.metadata is not None
+        if index not in base.metadata.storage_data:
+            raise BaseMismatchError(f"{where}: its base {base.storage.url} holds no item {describe_index(index)}")
+        base_header, base_raw = base.item_raw(index)
+        if digest_of_header(base_header) != header.base_digest or base_header.raw_nbytes != header.raw_nbytes:
+            raise BaseMismatchError(
+                f"{where}: saved against a base item of digest {header.base_digest:#010x}, but "
+                f"{base.where(index)} has digest {digest_of_header(base_header):#010x}: not the base of this delta"
+            )
+        return base_raw
+
+    def _load_deltas(self, indexes: list[MetadataIndex], report: Report) -> Iterator[tuple[MetadataIndex, ItemHeader, Any]]:
+        """Delta items, each rebuilt from its chain (:meth:`item_raw`) on the I/O threads."""
+        if not indexes:
+            return
+        with ThreadPoolExecutor(self.thread_count, thread_name_prefix="nvdcp-delta") as pool:
+            for index, (header, raw) in zip(indexes, pool.map(lambda ix: self.item_raw(ix, report), indexes)):
+                yield index, header, raw
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -271,14 +373,20 @@ class NvcompReader(StorageReader):
             by_item.setdefault(req.storage_index, []).append(req)
         records = {index: self._record(index) for index in by_item}
         stock = {ix for ix, info in records.items() if not is_nvdcp_record(info)}
+        # Delta items are rebuilt from their base chain, one item at a time (item_raw)
+        deltas = [ix for ix, info in records.items() if descriptor.is_delta(info)]
+        delta_set = set(deltas)
         if gpu_available():
             devices = {
-                index: None if index in stock else self._decode_device(reqs, planner) for index, reqs in by_item.items()
+                index: None if index in stock or index in delta_set else self._decode_device(reqs, planner)
+                for index, reqs in by_item.items()
             }
         else:
             devices = dict.fromkeys(by_item)
         # Read in file order so a local disk sees sequential-ish access.
-        order = sorted(by_item, key=lambda ix: (records[ix].relative_path, records[ix].offset))
+        order = sorted(
+            (ix for ix in by_item if ix not in delta_set), key=lambda ix: (records[ix].relative_path, records[ix].offset)
+        )
 
         def destination(index: MetadataIndex) -> torch.Tensor | None:
             """Where a whole large stock item goes, resolved just before its read is queued,
@@ -293,8 +401,9 @@ class NvcompReader(StorageReader):
                 return None
             return planner.resolve_tensor(reqs[0]).detach()
 
-        loads = self._fetch_and_decode(
-            order, devices, stock, report, destination, cpu=_CpuPlan(by_item, records, planner)
+        loads = itertools.chain(
+            self._load_deltas(sorted(deltas, key=lambda ix: (records[ix].relative_path, records[ix].offset)), report),
+            self._fetch_and_decode(order, devices, stock, report, destination, cpu=_CpuPlan(by_item, records, planner)),
         )
         for index, header, data in loads:
             for req in by_item[index]:
@@ -604,8 +713,13 @@ class NvcompReader(StorageReader):
     @staticmethod
     def _check_against_metadata(
         header: ItemHeader, dtype: torch.dtype | None, shape: tuple[int, ...] | None,
-        element_size: int, where: str,
+        element_size: int, where: str, delta: bool = False,
     ) -> None:
+        if header.is_delta != delta:  # XOR bytes must never be taken for the tensor's own
+            raise CorruptCheckpointError(
+                f"{where}: the record is {'a delta' if header.is_delta else 'stored whole'}, its .metadata "
+                f"descriptor says {'delta' if delta else 'whole'}"
+            )
         if dtype is None:
             if header.kind != KIND_BYTES:
                 raise CorruptCheckpointError(f"{where}: .metadata says bytes, file holds a tensor")
@@ -1128,6 +1242,19 @@ def _holding(slots: threading.BoundedSemaphore, fn: Callable[..., _T], *args: An
     """``fn(*args)`` while holding one of ``slots``."""
     with slots:
         return fn(*args)
+
+
+def _base_problem(base_md: Metadata, ref: BaseRef) -> str | None:
+    """Why the checkpoint ``base_md`` is not the base ``ref`` names (None: it is)."""
+    save_id = getattr(getattr(base_md, "storage_meta", None), "save_id", None)
+    if save_id != ref.save_id:
+        return f"save {save_id}"
+    if ref.digests_crc is not None:
+        record = getattr(base_md, "__dict__", {}).get(DIGEST_ATTR)
+        crc = record.get("crc") if isinstance(record, dict) else None
+        if crc != ref.digests_crc:
+            return "its item digests differ"
+    return None
 
 
 def describe_index(index: MetadataIndex) -> str:

@@ -45,16 +45,19 @@ from nvdcp.dcp.commit import (
     identical_save_policy,
     split_results,
 )
+from nvdcp.dcp.delta import DEFAULT_MAX_CHAIN, DeltaPolicy, DeltaSave, SaveRef, resolve_base
 from nvdcp.dcp.metadata_io import METADATA_NAME
 from nvdcp.dcp.stager import NvcompStager, StagedShard, WriterStagingMixin, release_staged
 from nvdcp.dcp.stock_items import merge_fsspec_kwargs, warn_once
 from nvdcp.errors import CheckpointExistsError, StaleSaveError
-from nvdcp.format.digest import digest_of_record_header
+from nvdcp.format.delta import BaseRef
+from nvdcp.format.digest import DIGEST_ATTR, digest_of_record_header
 from nvdcp.format.header import DEFAULT_CHUNK_BYTES
 from nvdcp.gpu import gpu_available
 from nvdcp.gpu.config import GpuConfig
 from nvdcp.pipeline.config import EncodeConfig
 from nvdcp.pipeline.cpu import EncodedItem
+from nvdcp.pipeline.delta import DEFAULT_MIN_GAIN, DeltaTensor
 from nvdcp.pipeline.encoder import ItemEncoder, shared_encoder
 from nvdcp.pipeline.tensors import tensor_nbytes
 from nvdcp.report import Report
@@ -71,9 +74,12 @@ STOCK_COPY_AHEAD = 10_000_000
 
 @dataclasses.dataclass(frozen=True)
 class _FilePrefix:
-    """Per-rank file-name prefix, chosen by the coordinator in ``prepare_global_plan``."""
+    """Per-rank file-name prefix, chosen by the coordinator in ``prepare_global_plan``, with
+    the save's delta decision (its base, or None: saved whole) and id, the same for every rank."""
 
     prefix: str
+    base: BaseRef | None = None
+    save_id: str = ""
 
 
 def _item_nbytes(item: WriteItem) -> int:
@@ -174,6 +180,12 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
             and close it); default: the process-wide encoder for these settings, so writers made
             per save reuse GPU encoders and pinned buffers. :func:`nvdcp.release_resources`
             frees the process-wide ones.
+        delta: a :class:`~nvdcp.DeltaPolicy` (one per job, passed to every writer of the job):
+            saves become deltas against the previous save this policy committed, with a full
+            checkpoint every ``full_every`` saves (docs/FORMAT.md, "Delta checkpoints"). Items
+            whose delta does not pay are stored whole; loads need the chain of bases.
+        base: the location of an earlier nvdcp checkpoint to save this one against (a delta);
+            overrides the policy's choice for this save. Must not be ``path`` itself.
         on_identical_save: when every item of a save is byte-identical to the previous save this
             process committed (stale weights saved again; compared by the items' digests,
             docs/RELIABILITY.md): ``"warn"`` (default) logs a warning, ``"error"`` raises
@@ -216,6 +228,8 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
         stager: NvcompStager | None = None,
         encoder: ItemEncoder | None = None,
         on_identical_save: str = "warn",
+        delta: DeltaPolicy | None = None,
+        base: str | os.PathLike[str] | None = None,
         **fsspec_options: Any,
     ) -> None:
         super().__init__()
@@ -255,6 +269,11 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
         self._staged: list[StagedShard] = []
         self.on_identical_save = identical_save_policy(on_identical_save)
         self._stager_policy: str | None = None  # the on_identical_save of the stager this save went through
+        if delta is not None and not isinstance(delta, DeltaPolicy):
+            raise TypeError(f"delta must be an nvdcp.DeltaPolicy, got {type(delta).__name__}")
+        self.delta = delta
+        self.base = os.fspath(base) if base is not None else None
+        self._plan_base: BaseRef | None = None  # this save's base, as the coordinator chose it
 
     @property
     def codec(self) -> str:
@@ -300,16 +319,33 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
         if not self.use_collectives:
             # No global plan step will run: pick a prefix unique to this rank and save.
             token = self.save_id[:12]
-            plan = dataclasses.replace(plan, storage_data=_FilePrefix(f"__{self.rank}_{token}_"))
+            self._plan_base = self._choose_base()
+            plan = dataclasses.replace(
+                plan, storage_data=_FilePrefix(f"__{self.rank}_{token}_", self._plan_base, self.save_id)
+            )
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         token = uuid.uuid4().hex[:12]
+        self._plan_base = self._choose_base()  # one decision for every rank
         self._commit = CheckpointCommit(self.storage)
         self._commit.begin(token)  # before any rank creates a data file of this save
         return [
-            dataclasses.replace(p, storage_data=_FilePrefix(f"__{i}_{token}_")) for i, p in enumerate(plans)
+            dataclasses.replace(p, storage_data=_FilePrefix(f"__{i}_{token}_", self._plan_base, self.save_id))
+            for i, p in enumerate(plans)
         ]
+
+    def _choose_base(self) -> BaseRef | None:
+        """This save's base (``base=``, else the policy's previous save), or None: saved whole."""
+        if self.base is not None:
+            max_chain = self.delta.max_chain if self.delta is not None else DEFAULT_MAX_CHAIN
+            return resolve_base(self.path, self.base, self.storage_options, max_chain, explicit=True)
+        if self.delta is None:
+            return None
+        candidate = self.delta.next_base()
+        if candidate is None:
+            return None
+        return resolve_base(self.path, candidate, self.storage_options, self.delta.max_chain, explicit=False)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix: _FilePrefix = plan.storage_data
@@ -322,9 +358,15 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
             self._caller_event.record(torch.cuda.current_stream())
         self._staged = []
         self._stager_policy = None
+        self._delta_save = self._delta_for(prefix)
+        ok = False
         try:
             results = self._write_files(prefix.prefix, list(plan.items), planner, report)
+            ok = True
         finally:
+            if self._delta_save is not None:
+                self._delta_save.finish(ok)
+                self._delta_save = None
             self._stager_policy = _stager_policy(self._staged)
             # Staged bytes are never read after this: their host buffers go back to the stager.
             release_staged(self._staged)
@@ -335,6 +377,21 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
+
+    def _delta_for(self, prefix: _FilePrefix) -> DeltaSave | None:
+        """This rank's delta bookkeeping for the save (None: no base and nothing to keep)."""
+        if prefix.base is None and self.delta is None:
+            return None
+        cache = self.delta.cache if self.delta is not None and self.delta.cache.budget > 0 else None
+        if prefix.base is None and cache is None:
+            return None
+        return DeltaSave(
+            prefix.base, prefix.save_id or self.save_id, cache, self.storage_options,
+            self.delta.min_gain if self.delta is not None else DEFAULT_MIN_GAIN,
+            pin=torch.cuda.is_available() and gpu_available(),
+        )
+
+    _delta_save: DeltaSave | None = None
 
     #: Record the items' digests (docs/FORMAT.md); off only to measure what they cost
     #: (benchmarks/digest_cost.py): write_data then returns torch's records alone.
@@ -350,11 +407,19 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
                 commit.refuse(storage_md)  # this save's files go; the checkpoint there stays
                 self._commit = None
                 raise
-        commit.commit(metadata, storage_md, self.path, self.save_id, digests=digests)
+        base = self._plan_base if any(descriptor.is_delta(info) for info in storage_md.values()) else None
+        blob = commit.commit(
+            metadata, storage_md, self.path, self.save_id, digests=digests,
+            delta=base.as_record() if base is not None else None,
+        )
         commit.cleanup({info.relative_path for info in storage_md.values()})
         self._commit = None
         if digests is not None:
             HISTORY.remember(self.storage.url, self.save_id, digests)
+        if self.delta is not None:
+            crc = getattr(metadata, DIGEST_ATTR, {}).get("crc") if digests is not None else None
+            self.delta.committed(SaveRef(self.path, self.save_id, base.depth if base else 0, crc))
+        del blob
         total = Report.from_metadata("save", self.storage.url, metadata)
         if self.last_report is not None:
             # whole-checkpoint bytes, this rank's phase times (the coordinator's view)
@@ -407,13 +472,17 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
         encoder = self.encoder
         gpu_ok = gpu_available()
         cpu: list[tuple[WriteItem, Any]] = []
-        gpu: list[tuple[WriteItem, torch.Tensor]] = []
+        gpu: list[tuple[WriteItem, torch.Tensor | DeltaTensor]] = []
+        delta = self._delta_save
         for item in items:
             if item.type == WriteItemType.BYTE_IO:
                 cpu.append((item, None))  # resolved by its file's thread (a serialized object)
                 continue
-            data = planner.resolve_data(item)
-            if isinstance(data, torch.Tensor) and encoder.uses_gpu(data, gpu_ok):
+            data: Any = planner.resolve_data(item)
+            if delta is not None and isinstance(data, torch.Tensor):
+                data = delta.prepare(item.index, data)  # its base, and where its bytes are kept
+            tensor = data.tensor if isinstance(data, DeltaTensor) else data
+            if isinstance(tensor, torch.Tensor) and encoder.uses_gpu(tensor, gpu_ok):
                 gpu.append((item, data))
             else:
                 cpu.append((item, data))  # a host tensor, or a StagedShard (finished by the file's thread)
@@ -462,16 +531,29 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
 
     def _dispatch_gpu(self, jobs: list[Any], files: list[_FileWriter], failed: threading.Event) -> None:
         """Encode ``jobs`` and queue each record on a file's thread; returns once every record
-        is written (after a failure anywhere, the records not yet written are dropped)."""
+        is written (after a failure anywhere, the records not yet written are dropped). Deltas
+        that do not pay are encoded again, whole, once the rest are queued."""
+        whole = self._dispatch_gpu_pass(jobs, files, failed)
+        if whole and not failed.is_set():
+            self._dispatch_gpu_pass(whole, files, failed)
+
+    def _dispatch_gpu_pass(self, jobs: list[Any], files: list[_FileWriter], failed: threading.Event) -> list[Any]:
         depth = 2 if len(files) == 1 else PARALLEL_DEPTH
         buckets = self.encoder.encode_gpu_buckets(jobs, depth)
+        again: list[Any] = []
         try:
             for bucket in buckets:
                 if failed.is_set():
                     bucket.release()
                     break
-                refs = _BucketRefs(bucket, len(bucket.records))
+                keep = []
                 for job, encoded in bucket.records:
+                    if job.delta is not None and not job.delta.pays(encoded.nbytes):
+                        again.append(job.whole(self.encoder.whole_layout(job.dtype)))
+                    else:
+                        keep.append((job, encoded))
+                refs = _BucketRefs(bucket, len(keep))
+                for job, encoded in keep:
                     min(files, key=_FileWriter.load).enqueue(job.key, encoded, refs)
                 del bucket, refs
         except BaseException:
@@ -483,16 +565,21 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
                 f.queue.put(_DRAIN)
             for f in files:
                 f.drained.wait()
+                f.drained.clear()
             buckets.close()
+        return again
 
     def _result(self, name: str, item: WriteItem, offset: int, encoded: EncodedItem) -> WriteResult:
-        info = descriptor.storage_info(name, offset, encoded.nbytes, _descriptor_codec(encoded.header.plane_codecs))
+        header = encoded.header
+        info = descriptor.storage_info(name, offset, encoded.nbytes, _descriptor_codec(header.plane_codecs), header.is_delta)
+        digest = digest_of_record_header(encoded.header_bytes)
+        if self._delta_save is not None:
+            self._delta_save.written(item.index, digest, None if header.is_delta else encoded.nbytes)
         return WriteResult(
             index=item.index,
             size_in_bytes=encoded.nbytes,
             # the digest is the header's own CRC32C: no pass over the data (docs/FORMAT.md)
-            storage_data=ItemRecord(info, digest_of_record_header(encoded.header_bytes))
-            if self._record_digests else info,
+            storage_data=ItemRecord(info, digest) if self._record_digests else info,
         )
 
 

@@ -1,4 +1,8 @@
-"""Binary layout of data files and item records (container format v1, docs/FORMAT.md).
+"""Binary layout of data files and item records (container format v1 and v2, docs/FORMAT.md).
+
+Version 2 adds one kind of item record, the *delta*: an item stored as the XOR of its bytes with
+the same item of a base checkpoint (:attr:`ItemHeader.base_digest` names that base item). Items
+stored whole are still written as version 1 records, byte for byte as before.
 
 Everything is little-endian and parsed with :mod:`struct`; nothing here unpickles. Parsing
 validates every field against the bytes actually present before anything is allocated, so a
@@ -15,7 +19,16 @@ import crc32c
 
 from nvdcp.errors import CorruptCheckpointError, FormatVersionError, TruncatedCheckpointError
 
-FORMAT_VERSION = 1
+#: The newest item record version this nvdcp reads (and writes, for delta items).
+FORMAT_VERSION = 2
+#: Items stored whole keep the version 1 record (golden files, digests and old readers agree).
+FULL_ITEM_VERSION = 1
+#: Delta items (:attr:`ItemHeader.base_digest` set): a v1 reader refuses them by version.
+DELTA_ITEM_VERSION = 2
+#: Data file headers are unchanged since version 1.
+FILE_VERSION = 1
+#: v2 item flag: the decoded bytes are the XOR of the item with its base item.
+FLAG_XOR_BASE = 1
 
 FILE_MAGIC = b"NVDCPF\x00\x01"
 ITEM_MAGIC = b"NVDI"
@@ -35,6 +48,7 @@ MAX_PLANES = 16
 _ITEM_FIXED = struct.Struct("<4sHBBBBBBIQI")
 _FILE_FIXED = struct.Struct("<8sHHI")  # magic, version, reserved, info_len
 _CHUNK = struct.Struct("<II")  # stored bytes, crc32c of the stored bytes
+_BASE = struct.Struct("<II")  # v2 delta items: digest of the base item's record, reserved (0)
 _CRC = struct.Struct("<I")
 
 
@@ -55,6 +69,10 @@ class ItemHeader:
     ``i % n_planes`` of block ``i // n_planes``, so any block range can be encoded, streamed and
     decoded on its own. A chunk whose stored size equals its uncompressed size is stored raw
     (compression never pays for it to be that large).
+
+    ``base_digest`` set (a version 2 record): the bytes the chunks decode to are the item's bytes
+    XOR the raw bytes of the same item in the base checkpoint, whose record digest (its header
+    CRC32C, :mod:`nvdcp.format.digest`) is ``base_digest``.
     """
 
     kind: int
@@ -65,8 +83,17 @@ class ItemHeader:
     plane_codecs: tuple[int, ...]
     chunks: tuple[tuple[int, int], ...]
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    version: int = FORMAT_VERSION
+    base_digest: int | None = None
     header_bytes: int = field(default=0, compare=False)
+
+    @property
+    def version(self) -> int:
+        return FULL_ITEM_VERSION if self.base_digest is None else DELTA_ITEM_VERSION
+
+    @property
+    def is_delta(self) -> bool:
+        """Stored as the XOR with its base item (see the class doc)."""
+        return self.base_digest is not None
 
     @property
     def plane_nbytes(self) -> int:
@@ -90,12 +117,14 @@ class ItemHeader:
 
     def pack(self) -> bytes:
         n_planes = len(self.plane_codecs)
-        size = self.packed_size(len(self.shape), n_planes, len(self.chunks))
+        delta = self.base_digest is not None
+        size = self.packed_size(len(self.shape), n_planes, len(self.chunks), delta)
         parts = [
             _ITEM_FIXED.pack(
                 ITEM_MAGIC, self.version, self.kind, self.dtype_code, self.transform,
-                n_planes, len(self.shape), 0, self.chunk_bytes, self.raw_nbytes, size,
+                n_planes, len(self.shape), FLAG_XOR_BASE if delta else 0, self.chunk_bytes, self.raw_nbytes, size,
             ),
+            _BASE.pack(self.base_digest, 0) if delta else b"",
             struct.pack(f"<{len(self.shape)}Q", *self.shape),
             bytes(self.plane_codecs) + b"\x00" * _pad4(n_planes),
             b"".join(_CHUNK.pack(s, c) for s, c in self.chunks),
@@ -104,9 +133,9 @@ class ItemHeader:
         return body + _CRC.pack(checksum(body))
 
     @staticmethod
-    def packed_size(ndim: int, n_planes: int, n_chunks: int) -> int:
+    def packed_size(ndim: int, n_planes: int, n_chunks: int, delta: bool = False) -> int:
         return (
-            _ITEM_FIXED.size + 8 * ndim + n_planes + _pad4(n_planes)
+            _ITEM_FIXED.size + (_BASE.size if delta else 0) + 8 * ndim + n_planes + _pad4(n_planes)
             + _CHUNK.size * n_chunks + _CRC.size
         )
 
@@ -123,7 +152,7 @@ def item_header_size(prefix: memoryview, where: str) -> int:
     """
     if len(prefix) < _ITEM_FIXED.size:
         raise TruncatedCheckpointError(f"{where}: item record is {len(prefix)} bytes, shorter than its header")
-    (magic, version, kind, dtype_code, transform, n_planes, ndim, _r, chunk_bytes, raw_nbytes,
+    (magic, version, kind, dtype_code, transform, n_planes, ndim, flags, chunk_bytes, raw_nbytes,
      header_bytes) = _ITEM_FIXED.unpack_from(prefix, 0)
     if magic != ITEM_MAGIC:
         raise CorruptCheckpointError(f"{where}: bad item magic {bytes(magic)!r}")
@@ -136,6 +165,9 @@ def item_header_size(prefix: memoryview, where: str) -> int:
         TRANSFORM_NONE, TRANSFORM_BYTEPLANES
     ):
         raise CorruptCheckpointError(f"{where}: invalid item header fields")
+    # v1: the byte is reserved (0); v2 records are delta items, the only kind v2 added.
+    if flags != (0 if version == FULL_ITEM_VERSION else FLAG_XOR_BASE):
+        raise CorruptCheckpointError(f"{where}: invalid flags {flags:#x} in a v{version} item header")
     if (
         not 1 <= n_planes <= MAX_PLANES or ndim > MAX_NDIM
         or not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES
@@ -143,13 +175,13 @@ def item_header_size(prefix: memoryview, where: str) -> int:
         raise CorruptCheckpointError(
             f"{where}: item header out of range ({n_planes} planes, ndim {ndim}, chunk size {chunk_bytes})"
         )
-    if kind == KIND_BYTES and (n_planes != 1 or transform != TRANSFORM_NONE or ndim or dtype_code):
-        raise CorruptCheckpointError(f"{where}: a bytes item must have one plane, no transform and no shape")
+    if kind == KIND_BYTES and (n_planes != 1 or transform != TRANSFORM_NONE or ndim or dtype_code or flags):
+        raise CorruptCheckpointError(f"{where}: a bytes item must have one plane, no transform, no shape and no base")
     if raw_nbytes % n_planes:
         raise CorruptCheckpointError(f"{where}: {raw_nbytes} bytes do not split into {n_planes} planes")
     plane_nbytes = raw_nbytes // n_planes
     n_chunks = n_planes * (-(-plane_nbytes // chunk_bytes))
-    expected = ItemHeader.packed_size(ndim, n_planes, n_chunks)
+    expected = ItemHeader.packed_size(ndim, n_planes, n_chunks, bool(flags & FLAG_XOR_BASE))
     if header_bytes != expected:
         raise CorruptCheckpointError(
             f"{where}: header claims {header_bytes} bytes but its fields need {expected}"
@@ -172,13 +204,17 @@ def parse_item_header_only(buf: memoryview, where: str) -> ItemHeader:
         raise TruncatedCheckpointError(
             f"{where}: header needs {header_bytes} bytes, only {len(buf)} present"
         )
-    (_m, version, kind, dtype_code, transform, n_planes, ndim, _r, chunk_bytes, raw_nbytes,
+    (_m, version, kind, dtype_code, transform, n_planes, ndim, flags, chunk_bytes, raw_nbytes,
      _hb) = _ITEM_FIXED.unpack_from(buf, 0)
     (stored_crc,) = _CRC.unpack_from(buf, header_bytes - _CRC.size)
     if checksum(buf[: header_bytes - _CRC.size]) != stored_crc:
         raise CorruptCheckpointError(f"{where}: item header checksum mismatch")
     n_chunks = n_planes * (-(-(raw_nbytes // n_planes) // chunk_bytes))
     off = _ITEM_FIXED.size
+    base_digest = None
+    if flags & FLAG_XOR_BASE:
+        base_digest, _reserved = _BASE.unpack_from(buf, off)
+        off += _BASE.size
     shape = struct.unpack_from(f"<{ndim}Q", buf, off)
     off += 8 * ndim
     plane_codecs = tuple(buf[off : off + n_planes])
@@ -187,7 +223,7 @@ def parse_item_header_only(buf: memoryview, where: str) -> ItemHeader:
     return ItemHeader(
         kind=kind, dtype_code=dtype_code, shape=tuple(shape), raw_nbytes=raw_nbytes,
         transform=transform, plane_codecs=plane_codecs, chunks=chunks,  # type: ignore[arg-type]
-        chunk_bytes=chunk_bytes, version=version, header_bytes=header_bytes,
+        chunk_bytes=chunk_bytes, base_digest=base_digest, header_bytes=header_bytes,
     )
 
 
@@ -209,7 +245,7 @@ def parse_item_header(buf: memoryview, where: str) -> ItemHeader:
 def pack_file_header(info: dict[str, object]) -> bytes:
     """The data file's leading record: magic, format version, and who wrote it (JSON)."""
     blob = json.dumps(info, sort_keys=True, separators=(",", ":")).encode()
-    body = _FILE_FIXED.pack(FILE_MAGIC, FORMAT_VERSION, 0, len(blob)) + blob
+    body = _FILE_FIXED.pack(FILE_MAGIC, FILE_VERSION, 0, len(blob)) + blob
     return body + _CRC.pack(checksum(body))
 
 
@@ -220,10 +256,10 @@ def file_header_size(prefix: memoryview, where: str) -> int:
     magic, version, _r, info_len = _FILE_FIXED.unpack_from(prefix, 0)
     if magic != FILE_MAGIC:
         raise CorruptCheckpointError(f"{where}: not an nvdcp data file (magic {bytes(magic)!r})")
-    if version > FORMAT_VERSION:
+    if version > FILE_VERSION:
         raise FormatVersionError(
             f"{where}: data file written by container format v{version}; this nvdcp reads up to "
-            f"v{FORMAT_VERSION}; upgrade nvdcp"
+            f"v{FILE_VERSION}; upgrade nvdcp"
         )
     if info_len > 1 << 20:
         raise CorruptCheckpointError(f"{where}: file header info of {info_len} bytes is implausible")

@@ -37,6 +37,7 @@ from nvdcp.gpu.allocator import install_allocator
 from nvdcp.gpu.nvcomp_codecs import CodecCache, typed_data_type
 from nvdcp.gpu.pinned import PinnedPool
 from nvdcp.pipeline.cpu import EncodedItem
+from nvdcp.pipeline.delta import DeltaInput
 from nvdcp.pipeline.policy import Layout
 
 #: Stored chunks start at multiples of this many bytes after compaction (device and host). The
@@ -143,6 +144,14 @@ class GpuJob:
     dtype_code: int
     shape: tuple[int, ...]
     kind: int = 0
+    #: set: stored as the XOR with ``delta.base`` (host bytes, copied to the GPU per bucket)
+    delta: DeltaInput | None = None
+    #: host uint8 memory that receives the tensor's raw bytes (the next save's base)
+    keep: torch.Tensor | None = None
+
+    def whole(self, layout: Layout) -> GpuJob:
+        """This job stored whole with ``layout`` (its bytes already kept)."""
+        return GpuJob(self.key, self.data, layout, self.dtype, self.dtype_code, self.shape, self.kind)
 
     @property
     def n_planes(self) -> int:
@@ -291,8 +300,10 @@ class GpuEncoder:
         c = self.chunk_bytes
         compressed = sum(name != "none" for name in job.layout.plane_codecs)
         # per plane: its slot, its packed copy and the gather index (8 bytes per granule);
-        # per compressed plane: nvCOMP's output slot (its bound is up to two chunks)
-        return job.n_planes * (2 * c + 8 * c // self.granule) + compressed * 2 * c
+        # per compressed plane: nvCOMP's output slot (its bound is up to two chunks); a delta:
+        # the base's bytes on the device and the XOR
+        delta = 2 * job.n_planes * c if job.delta is not None else 0
+        return job.n_planes * (2 * c + 8 * c // self.granule) + compressed * 2 * c + delta
 
     def _plan(self, jobs: list[GpuJob], depth: int = 2) -> list[_Bucket]:
         """Pack block ranges of the jobs, in order, into buckets under the budget (and under the
@@ -356,6 +367,14 @@ class GpuEncoder:
             m = min(job.elements, (seg.first_block + seg.n_blocks) * c) - start
             full, tail = divmod(m, c)
             src = job.data[start * p : (start + m) * p]
+            base = None
+            if job.delta is not None and job.delta.base is not None:
+                # the base's bytes reach the GPU before the same host memory receives the new ones
+                base = job.delta.base[start * p : (start + m) * p].to(src.device, non_blocking=True)
+            if job.keep is not None:
+                job.keep[start * p : (start + m) * p].copy_(src, non_blocking=True)
+            if base is not None:
+                src = torch.bitwise_xor(src, base)
             region = slots[seg.first_slot : seg.first_slot + seg.n_blocks * p]
             if job.layout.transform == TRANSFORM_BYTEPLANES:
                 if full:
@@ -464,6 +483,7 @@ class GpuEncoder:
             kind=job.kind, dtype_code=job.dtype_code, shape=job.shape, raw_nbytes=job.data.numel(),
             transform=job.layout.transform, plane_codecs=tuple(codec_id(n) for n in job.layout.plane_codecs),
             chunks=tuple((len(v), crc) for v, crc in chunks), chunk_bytes=self.chunk_bytes,
+            base_digest=job.delta.base_digest if job.delta is not None else None,
         )
         return EncodedItem(header, header.pack(), [v for v, _ in chunks])
 

@@ -202,14 +202,27 @@ def encode_item(
     layout: Layout,
     pool: Executor | None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    base: np.ndarray | None = None,
+    base_digest: int | None = None,
 ) -> EncodedItem:
     """Encode one item's raw bytes (a flat uint8 array) with ``layout``; groups of about
-    ``_GROUP_BYTES`` go to ``pool`` when there are several."""
+    ``_GROUP_BYTES`` go to ``pool`` when there are several.
+
+    ``base`` (the same item's raw bytes in the base checkpoint, ``raw.size`` bytes) makes a delta
+    record: the XOR of the two is stored, and ``base_digest`` (the base item's record digest)
+    goes into its header (docs/FORMAT.md, "Delta checkpoints")."""
     for name in layout.plane_codecs:
         if name in GPU_ONLY:
             raise CodecUnavailableError(f"codec {name!r} can only encode on a GPU")
     n_planes = element_size if layout.transform == TRANSFORM_BYTEPLANES else 1
-    codecs = _plane_codecs(layout.plane_codecs, n_planes, _float_planes(kind, dtype_code, layout.transform))
+    if base is not None:
+        if base.size != raw.size or base_digest is None:
+            raise ValueError(f"a delta needs a base of {raw.size} bytes and its digest, got {base.size} bytes")
+        raw = np.bitwise_xor(raw, base)
+    # XOR planes are mostly zero bytes and short runs, like float sign+exponent planes: the
+    # same tuned codec settings
+    sparse = base is not None or _float_planes(kind, dtype_code, layout.transform)
+    codecs = _plane_codecs(layout.plane_codecs, n_planes, sparse)
     n_blocks = -(-(raw.size // n_planes) // chunk_bytes)
     per = max(1, _GROUP_BYTES // (chunk_bytes * n_planes))
     spans = [range(s, min(n_blocks, s + per)) for s in range(0, n_blocks, per)]
@@ -233,6 +246,7 @@ def encode_item(
         plane_codecs=_codec_ids(layout.plane_codecs),
         chunks=tuple((len(s), crc) for s, crc in stored),
         chunk_bytes=chunk_bytes,
+        base_digest=base_digest if base is not None else None,
     )
     return EncodedItem(header, header.pack(), [s for s, _ in stored])
 

@@ -36,15 +36,17 @@ from nvdcp.gpu import gpu_available
 from nvdcp.gpu.config import GpuConfig
 from nvdcp.pipeline.config import EncodeConfig
 from nvdcp.pipeline.cpu import EncodedItem, encode_item
-from nvdcp.pipeline.policy import GPU_AUTO_CODEC, choose_layout
+from nvdcp.pipeline.delta import DeltaInput, DeltaTensor
+from nvdcp.pipeline.policy import GPU_AUTO_CODEC, choose_delta_layout, choose_layout
 from nvdcp.pipeline.tensors import flat_bytes, plain, tensor_to_host_bytes
 
 if TYPE_CHECKING:
     from nvdcp.gpu.encoder import EncodedBucket, GpuEncoder, GpuJob, HostSink
     from nvdcp.gpu.pinned import PinnedPool
 
-#: What one item to encode is: a tensor, or the bytes of a BYTE_IO item.
-ItemData = torch.Tensor | io.BytesIO | bytes | bytearray | memoryview | np.ndarray
+#: What one item to encode is: a tensor (with its delta base: :class:`DeltaTensor`), or the
+#: bytes of a BYTE_IO item.
+ItemData = torch.Tensor | DeltaTensor | io.BytesIO | bytes | bytearray | memoryview | np.ndarray
 
 
 class ItemEncoder:
@@ -138,9 +140,11 @@ class ItemEncoder:
             return self.codec_pool()
         return pool or None
 
-    def encode_tensor(self, tensor: torch.Tensor, where: str, pool: Executor | None | bool = True) -> EncodedItem:
+    def encode_tensor(self, tensor: torch.Tensor, where: str, pool: Executor | None | bool = True,
+                      delta: DeltaInput | None = None) -> EncodedItem:
         """Encode a tensor on the CPU (its bytes are copied to the host if it lives on a GPU).
-        ``pool``: as :meth:`encode_bytes`.
+        ``pool``: as :meth:`encode_bytes`. ``delta``: its base (stored as the XOR with it when
+        that pays, else whole) and where to keep its bytes for the next save.
 
         Raises:
             ValueError: the dtype has no code in the format (``where`` names the item).
@@ -155,23 +159,47 @@ class ItemEncoder:
                     "nvidia-nvcomp-cu12 installed; none is usable here"
                 )
             codec = "none"  # nothing to compress, nothing needs a GPU
-        return encode_item(
-            tensor_to_host_bytes(tensor), kind=KIND_TENSOR, dtype_code=code, shape=tuple(tensor.shape),
-            element_size=tensor.element_size(), layout=choose_layout(tensor.dtype, codec),
-            pool=self._pool_arg(pool), chunk_bytes=self.config.chunk_bytes,
+        raw = tensor_to_host_bytes(tensor)
+        encode = functools.partial(
+            encode_item, raw, kind=KIND_TENSOR, dtype_code=code, shape=tuple(tensor.shape),
+            element_size=tensor.element_size(), pool=self._pool_arg(pool), chunk_bytes=self.config.chunk_bytes,
         )
+        layout = choose_delta_layout(tensor.dtype, codec) if delta is not None and delta.base is not None else None
+        if layout is None:
+            encoded = encode(layout=choose_layout(tensor.dtype, codec))
+        else:
+            assert delta is not None and delta.base is not None
+            encoded = encode(layout=layout, base=delta.base.numpy(), base_digest=delta.base_digest)
+            if not delta.pays(encoded.nbytes):
+                whole = encode(layout=choose_layout(tensor.dtype, codec))
+                encoded = whole if whole.nbytes <= encoded.nbytes else encoded
+        if delta is not None and delta.keep is not None:
+            delta.keep.numpy()[:] = raw  # after the XOR read the base there
+        return encoded
 
     # -- the GPU path --------------------------------------------------------------------------
-    def gpu_job(self, key: Any, tensor: torch.Tensor, where: str) -> GpuJob:
-        """Describe ``tensor`` for a GPU encode (moved to the current GPU if it is on the host)."""
+    def gpu_job(self, key: Any, tensor: torch.Tensor | DeltaTensor, where: str) -> GpuJob:
+        """Describe ``tensor`` for a GPU encode (moved to the current GPU if it is on the host);
+        a :class:`DeltaTensor` is XORed with its base on the GPU (and its bytes kept)."""
         from nvdcp.gpu.encoder import GpuJob
 
-        t = plain(tensor)
+        delta = tensor.delta if isinstance(tensor, DeltaTensor) else None
+        t = plain(tensor.tensor if isinstance(tensor, DeltaTensor) else tensor)
         if not t.is_cuda:
             t = t.to(torch.device("cuda", torch.cuda.current_device()))
         flat = flat_bytes(t) if t.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
         layout = choose_layout(t.dtype, self.config.codec, auto_codec=GPU_AUTO_CODEC)
-        return GpuJob(key, flat, layout, t.dtype, _dtype_code(t.dtype, where), tuple(t.shape), KIND_TENSOR)
+        job = GpuJob(key, flat, layout, t.dtype, _dtype_code(t.dtype, where), tuple(t.shape), KIND_TENSOR)
+        if delta is not None:
+            job.keep = delta.keep
+            delta_layout = choose_delta_layout(t.dtype, self.config.codec, GPU_AUTO_CODEC) if delta.base is not None else None
+            if delta_layout is not None:
+                job.layout, job.delta = delta_layout, delta
+        return job
+
+    def whole_layout(self, dtype: torch.dtype) -> Any:
+        """The layout of a GPU tensor of ``dtype`` stored whole."""
+        return choose_layout(dtype, self.config.codec, auto_codec=GPU_AUTO_CODEC)
 
     def encode_gpu_jobs(self, jobs: list[GpuJob], shares: int = 1) -> Iterator[tuple[GpuJob, EncodedItem]]:
         """Encode ``jobs`` on their devices; yields ``(job, record)`` in order of completion.
@@ -259,8 +287,9 @@ class ItemEncoder:
         batches = _CpuBatches(self.codec_pool(), 2 * self.config.threads)
         try:
             for key, data in items:
-                if isinstance(data, torch.Tensor) and self.uses_gpu(data, gpu_ok):
-                    jobs.append(self.gpu_job(key, data, describe(key)))
+                tensor = data.tensor if isinstance(data, DeltaTensor) else data
+                if isinstance(tensor, torch.Tensor) and self.uses_gpu(tensor, gpu_ok):
+                    jobs.append(self.gpu_job(key, data, describe(key)))  # type: ignore[arg-type]
                     continue
                 nbytes = _nbytes(data)
                 if nbytes < SMALL_ITEM_BYTES:
@@ -278,6 +307,8 @@ class ItemEncoder:
     def _encode_cpu(
         self, data: ItemData, key: Any, describe: Callable[[Any], str], pool: ThreadPoolExecutor | None = None,
     ) -> EncodedItem:
+        if isinstance(data, DeltaTensor):
+            return self.encode_tensor(data.tensor, describe(key), pool, data.delta)
         if isinstance(data, torch.Tensor):
             return self.encode_tensor(data, describe(key), pool)
         return self.encode_bytes(data, pool)
@@ -301,6 +332,8 @@ SMALL_BATCH_ITEMS = 256
 
 
 def _nbytes(data: ItemData) -> int:
+    if isinstance(data, DeltaTensor):
+        data = data.tensor
     if isinstance(data, torch.Tensor):
         return data.numel() * data.element_size()
     if isinstance(data, io.BytesIO):

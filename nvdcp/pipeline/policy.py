@@ -61,3 +61,21 @@ def choose_layout(dtype: torch.dtype | None, codec: str, auto_codec: str = CPU_A
     if len(planes) == 1:
         return Layout(TRANSFORM_NONE, (chosen,))
     return Layout(TRANSFORM_BYTEPLANES, tuple(chosen if pays else "none" for pays in planes))
+
+
+@functools.cache
+def choose_delta_layout(dtype: torch.dtype, codec: str, auto_codec: str = CPU_AUTO_CODEC) -> Layout | None:
+    """The layout of a delta item (the XOR of a tensor with its base), or None when the codec
+    choice rules deltas out (``"none"``: nothing would be compressed).
+
+    After the XOR every plane is worth compressing: the bytes that did not change are zero,
+    mantissa planes included. Typed GPU codecs (ANS, Bitcomp) model float values, which an XOR
+    is not: deltas use the path's auto codec then (CPU-decodable either way).
+    """
+    chosen = auto_codec if codec in ("auto", *GPU_ONLY) else codec
+    if chosen == "none":
+        return None
+    size = torch.empty((), dtype=dtype).element_size()
+    if size == 1:
+        return Layout(TRANSFORM_NONE, (chosen,))
+    return Layout(TRANSFORM_BYTEPLANES, (chosen,) * size)

@@ -1,0 +1,341 @@
+"""Delta checkpoints, the save side: the policy, the base kept in host memory, the base per item.
+
+A delta save stores each item whose base (the same ``MetadataIndex``, dtype and shape in the base
+checkpoint) is at hand as the XOR with the base item's bytes, when that pays, and every other item
+whole (docs/FORMAT.md, "Delta checkpoints"). Three pieces:
+
+- :class:`DeltaPolicy`, the one place users set it up: a full checkpoint every ``full_every``
+  saves, a bound on chain length, and the host-memory budget of the base kept between saves. It
+  remembers the last save it committed, so each save deltas against the previous one.
+- :class:`BaseCache`: the raw bytes of the last save's items, in host memory (pinned when CUDA
+  is there), within the budget. A save reads each item's base from it and writes the item's new
+  bytes over it in the same pass, so it holds one save, never two.
+- :class:`DeltaSave`: one save's view: for each item, its base bytes (from the cache, or read back
+  from the base checkpoint on storage, a chain resolved: a job resumed from a checkpoint deltas
+  against it), the base item's digest, and where to keep the item's new bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+from nvdcp.dcp.metadata_io import load_metadata
+from nvdcp.dcp.stock_items import is_nvdcp_record
+from nvdcp.errors import IncompleteCheckpointError, MissingBaseError, NvdcpError
+from nvdcp.format.delta import BaseRef, read_delta, relative_location, same_location
+from nvdcp.format.digest import DIGEST_ATTR, digest_of_header
+from nvdcp.pipeline.delta import DEFAULT_MIN_GAIN, DeltaInput, DeltaTensor
+from nvdcp.storage import open_storage
+
+logger = logging.getLogger(__name__)
+
+#: Default ``full_every``: one full checkpoint, then this many minus one deltas. Bytes kept for
+#: the last 10 checkpoints and load time both depend on it (benchmarks/delta_bench.py).
+DEFAULT_FULL_EVERY = 8
+#: Default chain bound for a writer given ``base=`` without a policy.
+DEFAULT_MAX_CHAIN = 16
+#: Pinned arenas of the cache are carved from blocks of at least this size.
+ARENA_BYTES = 256 << 20
+
+
+def default_cache_bytes() -> int:
+    """A quarter of the machine's memory, at most 64 GiB."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        total = 16 << 30
+    return min(total // 4, 64 << 30)
+
+
+@dataclass(frozen=True)
+class SaveRef:
+    """A committed save a policy remembers: where, which, and how deep in its chain (0: whole)."""
+
+    location: str
+    save_id: str
+    depth: int
+    digests_crc: int | None
+
+
+class DeltaPolicy:
+    """When to save a delta and against what; create one per training job and pass it to every
+    :class:`~nvdcp.NvcompWriter` (``delta=``) of the job.
+
+    Args:
+        full_every: a full checkpoint every this many saves (1: never a delta). The saves in
+            between are deltas, each against the previous one.
+        max_chain: the longest chain a load may have to read (deltas back to a full save);
+            default ``full_every - 1``. A save that would exceed it is saved whole.
+        cache_bytes: host memory kept between saves for the last save's raw bytes (pinned when
+            CUDA is there); default a quarter of the machine's memory, at most 64 GiB. Items that
+            do not fit are read back from the base checkpoint on storage when the next save needs
+            them (slower, never wrong). 0 keeps nothing.
+        min_gain: keep a delta only when it is at least this fraction smaller than the item
+            stored whole (as the writer last measured that item); otherwise store it whole.
+
+    The policy remembers the last save it committed; :meth:`resume_from` sets it to a checkpoint
+    on storage (a resumed job's next save deltas against the checkpoint it resumed from).
+    Thread-safe; not shared across processes: each rank holds its own, and the coordinator's
+    decides for every rank.
+    """
+
+    def __init__(self, full_every: int = DEFAULT_FULL_EVERY, max_chain: int | None = None,
+                 cache_bytes: int | None = None, min_gain: float = DEFAULT_MIN_GAIN) -> None:
+        if full_every < 1:
+            raise ValueError(f"full_every must be >= 1, got {full_every}")
+        if max_chain is not None and max_chain < 0:
+            raise ValueError(f"max_chain must be >= 0, got {max_chain}")
+        if cache_bytes is not None and cache_bytes < 0:
+            raise ValueError(f"cache_bytes must be >= 0, got {cache_bytes}")
+        if not 0 <= min_gain < 1:
+            raise ValueError(f"min_gain must be within [0, 1), got {min_gain}")
+        self.full_every = full_every
+        self.max_chain = full_every - 1 if max_chain is None else max_chain
+        self.min_gain = min_gain
+        self.cache = BaseCache(default_cache_bytes() if cache_bytes is None else cache_bytes)
+        self._last: SaveRef | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def last(self) -> SaveRef | None:
+        """The last save committed through this policy (or set by :meth:`resume_from`)."""
+        return self._last
+
+    def next_base(self) -> str | None:
+        """Where the next save's base is, or None when it is to be saved whole."""
+        last = self._last
+        if last is None or last.depth + 1 > self.max_chain or last.depth + 1 >= self.full_every:
+            return None
+        return last.location
+
+    def committed(self, save: SaveRef) -> None:
+        with self._lock:
+            self._last = save
+
+    def resume_from(self, location: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> None:
+        """Make the checkpoint at ``location`` the base of the next save (after a restart).
+
+        Raises:
+            IncompleteCheckpointError: no committed checkpoint there.
+        """
+        location = os.fspath(location)
+        metadata = load_metadata(open_storage(location, **(storage_options or {})))
+        ref = read_delta(metadata, location)
+        self.committed(SaveRef(location, _save_id(metadata), ref.depth if ref else 0, _digests_crc(metadata)))
+
+    def forget(self) -> None:
+        """Forget the last save and free the cache: the next save is saved whole."""
+        with self._lock:
+            self._last = None
+        self.cache.clear()
+
+
+def _save_id(metadata: Metadata) -> str:
+    return str(getattr(getattr(metadata, "storage_meta", None), "save_id", "") or "")
+
+
+def _digests_crc(metadata: Metadata) -> int | None:
+    record = getattr(metadata, "__dict__", {}).get(DIGEST_ATTR)
+    crc = record.get("crc") if isinstance(record, dict) else None
+    return crc if type(crc) is int else None
+
+
+def resolve_base(target: str, candidate: str, storage_options: dict[str, Any], max_chain: int,
+                 explicit: bool) -> BaseRef | None:
+    """The :class:`BaseRef` a save to ``target`` records for the base ``candidate``, or None when
+    it must be saved whole (the chain would exceed ``max_chain``; with a policy's candidate, also
+    when the base is gone or is ``target`` itself).
+
+    Raises (only when ``explicit``: the user named the base):
+        ValueError: the base is the checkpoint being saved (its files are replaced by the save).
+        MissingBaseError: no committed checkpoint at ``candidate``.
+    """
+    if same_location(target, candidate):
+        if explicit:
+            raise ValueError(f"base={candidate!r} is the checkpoint being saved: a delta needs its base kept elsewhere")
+        return None
+    try:
+        metadata = load_metadata(open_storage(candidate, **storage_options))
+    except IncompleteCheckpointError:
+        if explicit:
+            raise MissingBaseError(f"base {candidate}: no committed checkpoint there") from None
+        logger.warning("nvdcp: the previous checkpoint %s is gone; saving %s whole", candidate, target)
+        return None
+    prior = read_delta(metadata, candidate)
+    depth = (prior.depth if prior else 0) + 1
+    if depth > max_chain:
+        logger.info("nvdcp: a delta against %s would make a chain of %d (max %d): saving whole", candidate, depth, max_chain)
+        return None
+    return BaseRef(candidate, _save_id(metadata), depth, relative_location(target, candidate), _digests_crc(metadata))
+
+
+# -- the base in host memory ---------------------------------------------------------------------
+@dataclass
+class CacheEntry:
+    """One item's raw bytes from a save, and what the next save needs to know about them."""
+
+    data: torch.Tensor  # flat uint8, host
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    save_id: str | None = None  # the save these bytes are from (None: being rewritten, or failed)
+    digest: int = 0  # that save's record digest of the item
+    whole_nbytes: int | None = None  # the item's record size when last stored whole
+
+
+class BaseCache:
+    """The raw bytes of the last save's items, within ``budget`` bytes of host memory.
+
+    Memory is carved from arenas and kept for the job's life (an item's slot is reused while its
+    size stays the same); :meth:`clear` frees it all.
+    """
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.entries: dict[MetadataIndex, CacheEntry] = {}
+        self._arenas: list[torch.Tensor] = []
+        self._free_at = 0  # bytes used of the last arena
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def lookup(self, index: MetadataIndex, save_id: str, dtype: torch.dtype, shape: tuple[int, ...]) -> CacheEntry | None:
+        """The entry of ``index`` when it holds that item of save ``save_id``."""
+        entry = self.entries.get(index)
+        if entry is None or entry.save_id != save_id or entry.dtype != dtype or entry.shape != shape:
+            return None
+        return entry
+
+    def slot(self, index: MetadataIndex, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...], pin: bool) -> CacheEntry | None:
+        """The entry that receives ``index``'s bytes of the save being written: its own slot when
+        the size is unchanged, a new one within the budget, else None (the item is not kept)."""
+        with self._lock:
+            entry = self.entries.get(index)
+            if entry is not None and entry.data.numel() == nbytes:
+                entry.dtype, entry.shape = dtype, shape
+                return entry
+            if entry is not None:
+                del self.entries[index]  # resharded: its old slot is lost until clear()
+            data = self._carve(nbytes, pin)
+            if data is None:
+                return None
+            entry = CacheEntry(data, dtype, shape)
+            self.entries[index] = entry
+            return entry
+
+    def _carve(self, nbytes: int, pin: bool) -> torch.Tensor | None:
+        if self.used + nbytes > self.budget:
+            return None
+        if not self._arenas or self._free_at + nbytes > self._arenas[-1].numel():
+            size = max(ARENA_BYTES, nbytes) if self.budget - self.used >= ARENA_BYTES else nbytes
+            self._arenas.append(torch.empty(size, dtype=torch.uint8, pin_memory=pin))
+            self._free_at = 0
+        arena = self._arenas[-1]
+        out = arena[self._free_at : self._free_at + nbytes]
+        self._free_at += -(-nbytes // 64) * 64  # 64-byte aligned slots
+        self.used += nbytes
+        return out
+
+    def clear(self) -> None:
+        with self._lock:
+            self.entries.clear()
+            self._arenas.clear()
+            self._free_at = 0
+            self.used = 0
+
+
+# -- one save --------------------------------------------------------------------------------
+@dataclass
+class DeltaSave:
+    """One rank's delta bookkeeping for one save (against ``ref``, or whole when ``ref`` is None
+    but the policy keeps this save's bytes for the next one)."""
+
+    ref: BaseRef | None
+    save_id: str
+    cache: BaseCache | None
+    storage_options: dict[str, Any]
+    min_gain: float = DEFAULT_MIN_GAIN
+    pin: bool = False
+    _base_reader: Any = None
+    _touched: list[CacheEntry] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def prepare(self, index: MetadataIndex, tensor: torch.Tensor) -> DeltaTensor | torch.Tensor:
+        """``tensor`` wrapped with its base and keep slot, or as it is (nothing to do)."""
+        dtype, shape = tensor.dtype, tuple(tensor.shape)
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes == 0:
+            return tensor
+        hit = self.cache.lookup(index, self.ref.save_id, dtype, shape) if self.cache and self.ref else None
+        base = hit.data if hit is not None else None
+        digest = hit.digest if hit is not None else None
+        whole = hit.whole_nbytes if hit is not None else None
+        keep = self.cache.slot(index, nbytes, dtype, shape, self.pin) if self.cache is not None else None
+        if keep is not None:
+            keep.save_id = None  # being rewritten by this save
+            with self._lock:
+                self._touched.append(keep)
+        if base is None and self.ref is not None:
+            base, digest, whole = self._read_base(index, dtype, shape)
+            if base is not None and keep is not None:
+                keep.data.copy_(base)  # the encoder reads the base from the slot, then overwrites it
+                base = keep.data
+        if base is None and keep is None:
+            return tensor
+        if keep is not None and hit is None:
+            keep.whole_nbytes = whole
+        return DeltaTensor(tensor, DeltaInput(base, digest, keep.data if keep else None, whole, self.min_gain))
+
+    def _read_base(self, index: MetadataIndex, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[torch.Tensor | None, int | None, int | None]:
+        """The base item read back from storage (its chain resolved): bytes, digest, whole size."""
+        reader = self._reader()
+        assert reader.metadata is not None
+        info = reader.metadata.storage_data.get(index)
+        expected = reader._expected(index) if info is not None else (None, None)
+        if info is None or not is_nvdcp_record(info) or expected != (dtype, shape):
+            return None, None, None  # no such item there: stored whole
+        header, raw = reader.item_raw(index)
+        whole = None if header.is_delta else info.length
+        return torch.from_numpy(raw), digest_of_header(header), whole
+
+    def _reader(self) -> Any:
+        with self._lock:
+            if self._base_reader is None:
+                from nvdcp.dcp.reader import NvcompReader
+
+                assert self.ref is not None
+                reader = NvcompReader(self.ref.location, storage_options=self.storage_options)
+                metadata = reader.read_metadata()
+                if _save_id(metadata) != self.ref.save_id:
+                    raise NvdcpError(f"base {self.ref.location} was replaced during the save (save {_save_id(metadata)})")
+                reader.set_up_storage_reader(metadata, False)
+                self._base_reader = reader
+            return self._base_reader
+
+    def written(self, index: MetadataIndex, digest: int, whole_nbytes: int | None) -> None:
+        """The item's record is written: remember its digest (and whole size) for the next save."""
+        if self.cache is None:
+            return
+        entry = self.cache.entries.get(index)
+        if entry is not None and entry.save_id is None:
+            entry.digest = digest
+            if whole_nbytes is not None:
+                entry.whole_nbytes = whole_nbytes
+
+    def finish(self, ok: bool) -> None:
+        """The rank's items are all written (``ok``) or the save failed: stamp or drop the kept bytes."""
+        with self._lock:
+            touched, self._touched = self._touched, []
+        for entry in touched:
+            entry.save_id = self.save_id if ok else None
+
+
+__all__ = [
+    "BaseCache", "DEFAULT_FULL_EVERY", "DeltaPolicy", "DeltaSave", "SaveRef",
+    "default_cache_bytes", "resolve_base",
+]
