@@ -1,0 +1,96 @@
+"""Delta checkpoints on the GPU path: XOR with the base on the device, records every machine loads.
+
+Run on the H200 device machine (DEVELOPERS.md); skipped without CUDA and nvidia-nvcomp-cu12.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import nvdcp
+from nvdcp.dcp import descriptor
+from nvdcp.gpu.config import GpuConfig
+from tests.conftest import bit_equal, weights_like
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda", 0)
+
+
+def _state() -> dict[str, torch.Tensor]:
+    return {
+        "w32": weights_like((1024, 1000)).to(CUDA),
+        "w16": weights_like((700, 1300), torch.bfloat16, seed=1).to(CUDA),
+        "ids": torch.arange(100_000, device=CUDA),
+        "big": weights_like((5000, 1000), seed=3).to(CUDA),  # several GPU buckets at a small budget
+        "empty": torch.empty(0, 7, device=CUDA),
+    }
+
+
+def _step(sd: dict[str, torch.Tensor], seed: int) -> None:
+    g = torch.Generator(device=CUDA).manual_seed(seed)
+    for k in ("w32", "big"):
+        sd[k].add_(torch.randn(sd[k].shape, device=CUDA, generator=g) * 1e-4)
+    sd["w16"].add_((torch.randn(sd["w16"].shape, device=CUDA, generator=g) * 1e-3).to(torch.bfloat16))
+
+
+def _chain(root: Path, saves: int, policy: nvdcp.DeltaPolicy, gpu: GpuConfig | None = None,
+           ) -> list[tuple[Path, dict[str, torch.Tensor]]]:
+    sd = _state()
+    out = []
+    for i in range(saves):
+        path = root / f"step{i}"
+        dcp.save(sd, storage_writer=nvdcp.NvcompWriter(path, delta=policy, gpu=gpu))
+        out.append((path, {k: v.detach().cpu().clone() for k, v in sd.items()}))
+        _step(sd, i)
+    return out
+
+
+def _load(path: Path, device: torch.device, expected: dict[str, torch.Tensor], **kw: object) -> None:
+    out = {k: torch.zeros(v.shape, dtype=v.dtype, device=device) for k, v in expected.items()}
+    dcp.load(out, storage_reader=nvdcp.NvcompReader(path, **kw))  # type: ignore[arg-type]
+    for k in expected:
+        assert bit_equal(out[k].cpu(), expected[k]), (path.name, k)
+
+
+@pytest.mark.parametrize("cache_bytes", [None, 0])
+def test_gpu_delta_chain_loads_bit_exact_on_gpu_and_cpu(tmp_path: Path, cache_bytes: int | None) -> None:
+    # cache_bytes=0: every base is read back from storage (decoded on the host, XORed on the GPU)
+    saves = _chain(tmp_path, 4, nvdcp.DeltaPolicy(full_every=4, cache_bytes=cache_bytes),
+                   GpuConfig(gpu_memory_bytes=64 << 20))
+    for i, (path, expected) in enumerate(saves):
+        md = nvdcp.NvcompReader(path).read_metadata()
+        deltas = [ix.fqn for ix, info in md.storage_data.items() if descriptor.is_delta(info)]
+        if i:
+            assert {"w32", "w16", "big"} <= set(deltas), (i, deltas)
+        else:
+            assert not deltas
+        _load(path, CUDA, expected)
+        _load(path, torch.device("cpu"), expected)
+
+
+def test_gpu_delta_that_does_not_pay_is_stored_whole(tmp_path: Path) -> None:
+    policy = nvdcp.DeltaPolicy(full_every=4)
+    sd = _state()
+    dcp.save(sd, storage_writer=nvdcp.NvcompWriter(tmp_path / "a", delta=policy))
+    sd["w32"].copy_(weights_like((1024, 1000), seed=99).to(CUDA))  # unrelated values: XOR does not pay
+    _step(sd, 1)
+    dcp.save(sd, storage_writer=nvdcp.NvcompWriter(tmp_path / "b", delta=policy))
+    md = nvdcp.NvcompReader(tmp_path / "b").read_metadata()
+    kinds = {ix.fqn: descriptor.is_delta(info) for ix, info in md.storage_data.items()}
+    assert kinds["w32"] is False and kinds["w16"] is True
+    _load(tmp_path / "b", CUDA, {k: v.cpu() for k, v in sd.items()})
+
+
+def test_cpu_written_chain_continues_on_gpu(tmp_path: Path) -> None:
+    """A base saved from host tensors (CPU codecs), the delta from GPU tensors: one chain."""
+    policy = nvdcp.DeltaPolicy(full_every=4)
+    sd = _state()
+    dcp.save({k: v.cpu() for k, v in sd.items()}, storage_writer=nvdcp.NvcompWriter(tmp_path / "a", delta=policy))
+    _step(sd, 2)
+    dcp.save(sd, storage_writer=nvdcp.NvcompWriter(tmp_path / "b", delta=policy))
+    _load(tmp_path / "b", CUDA, {k: v.cpu() for k, v in sd.items()})
+    _load(tmp_path / "b", torch.device("cpu"), {k: v.cpu() for k, v in sd.items()})
