@@ -14,6 +14,13 @@ prefix such as ``s3://bucket/run1``), each in a child named ``step_{N:08d}``
 - :func:`prune_checkpoints` keeps the newest ``keep_last`` usable checkpoints and deletes what is
   older than the newest of them. Checkpoints newer than that are never touched: an incomplete
   one may be a save in progress. With no usable checkpoint it deletes nothing.
+- Delta checkpoints (:class:`nvdcp.DeltaPolicy`) need their base, and its base, down the chain:
+  pruning never deletes a checkpoint that one it keeps depends on, :func:`delete_checkpoint`
+  refuses one that others under the same root depend on (unless forced), and a delta whose base
+  is gone or replaced is not usable (:func:`checkpoint_problem`). A base is found where a load
+  finds it (:func:`nvdcp.format.delta.base_candidates`: relative to the delta first, then where
+  the save recorded it) and must be the very save the delta was written against; bases outside
+  the root are left alone (nothing of theirs is deleted here).
 
 Run pruning from one process (rank 0) after the save it follows has completed. Object stores are
 listed through :meth:`nvdcp.storage.Storage.list_children`.
@@ -28,10 +35,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from nvdcp.dcp.metadata_io import METADATA_NAME
+from nvdcp.errors import NvdcpError
+from nvdcp.format.delta import BaseRef, base_candidates, read_delta, same_location
 
 logger = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+#: Bound on the bases followed from one checkpoint (a chain is far shorter; this stops a loop).
+_MAX_CHAIN_WALK = 1024
 #: What DCP writers put in a checkpoint: nvdcp data files, stock FileSystemWriter data files,
 #: ``.metadata`` and its temp files. Deleting touches nothing else.
 _CHECKPOINT_FILE = re.compile(
@@ -43,11 +54,23 @@ Options = dict[str, Any] | None
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """One checkpoint under a root: its step, where it is, whether ``.metadata`` is there."""
+    """One checkpoint under a root: its step, where it is, whether ``.metadata`` is there, and
+    (with ``list_checkpoints(..., bases=True)``) where the base of a delta checkpoint was
+    recorded (None: saved whole, incomplete, or not asked)."""
 
     step: int
     path: str
     complete: bool
+    base: str | None = None
+
+
+class CheckpointInUseError(NvdcpError, ValueError):
+    """A checkpoint that other checkpoints are deltas against (directly or down their chain)
+    was to be deleted; :attr:`dependents` are their paths."""
+
+    def __init__(self, message: str, dependents: list[str]) -> None:
+        super().__init__(message)
+        self.dependents = dependents
 
 
 def checkpoint_path(root: str | os.PathLike[str], step: int) -> str:
@@ -82,8 +105,12 @@ def _children(spec: str, options: Options) -> list[str]:
     return list(storage.list_children())
 
 
-def list_checkpoints(root: str | os.PathLike[str], storage_options: Options = None) -> list[CheckpointInfo]:
-    """Every ``step_N`` checkpoint under ``root``, oldest first, complete or not."""
+def list_checkpoints(root: str | os.PathLike[str], storage_options: Options = None, *,
+                     bases: bool = False) -> list[CheckpointInfo]:
+    """Every ``step_N`` checkpoint under ``root``, oldest first, complete or not.
+
+    ``bases``: also read each complete checkpoint's ``.metadata`` and fill
+    :attr:`CheckpointInfo.base` for delta checkpoints (one more read per checkpoint)."""
     spec = _spec(root)
     infos = []
     for name in _children(spec, storage_options):
@@ -95,21 +122,135 @@ def list_checkpoints(root: str | os.PathLike[str], storage_options: Options = No
             complete = _open(path, storage_options).exists(METADATA_NAME)
         else:
             complete = os.path.isfile(os.path.join(path, METADATA_NAME))
-        infos.append(CheckpointInfo(int(m.group(1)), path, complete))
+        base = None
+        if bases and complete:
+            ref = _delta_ref(path, storage_options)
+            base = ref.location if isinstance(ref, BaseRef) else None
+        infos.append(CheckpointInfo(int(m.group(1)), path, complete, base))
     return sorted(infos, key=lambda c: (c.step, c.path))
 
 
-def checkpoint_problem(path: str, storage_options: Options = None) -> str | None:
+# -- delta chains --------------------------------------------------------------------------------
+def _read_metadata(path: str, options: Options) -> Any:
+    from nvdcp.dcp.metadata_io import load_metadata
+
+    return load_metadata(_open(path, options))
+
+
+def _delta_ref(path: str, options: Options) -> BaseRef | None | str:
+    """The base record of the checkpoint at ``path``: None when saved whole, a string saying why
+    it cannot be told (``.metadata`` unreadable)."""
+    try:
+        return read_delta(_read_metadata(path, options), path)
+    except (NvdcpError, OSError) as exc:
+        return str(exc)
+
+
+def _base_mismatch(metadata: Any, ref: BaseRef) -> str | None:
+    from nvdcp.dcp.reader import _base_problem
+
+    return _base_problem(metadata, ref)
+
+
+def find_base(path: str, ref: BaseRef, storage_options: Options = None) -> tuple[str | None, str | None]:
+    """Where the base ``ref`` of the delta checkpoint at ``path`` is, as a load finds it.
+
+    Returns ``(location, None)``, or ``(None, why)`` when no candidate location holds the save
+    the delta was written against (gone, or replaced by another save)."""
+    found: list[str] = []
+    for location in base_candidates(path, ref):
+        try:
+            metadata = _read_metadata(location, storage_options)
+        except (NvdcpError, OSError):
+            continue  # nothing committed there (or unreadable): the next candidate
+        problem = _base_mismatch(metadata, ref)
+        if problem is None:
+            return location, None
+        found.append(f"{location} holds {problem}")
+    tried = ", ".join(base_candidates(path, ref))
+    if found:
+        return None, (f"is a delta against save {ref.save_id} of {ref.location}, but {'; '.join(found)}: "
+                      "that base was replaced")
+    return None, f"is a delta against {ref.location} (save {ref.save_id}), which is gone (looked at {tried})"
+
+
+def checkpoint_base(path: str | os.PathLike[str], storage_options: Options = None) -> str | None:
+    """Where the base of the delta checkpoint at ``path`` is (None: it was saved whole).
+
+    Raises:
+        MissingBaseError: it is a delta and its base is gone or was replaced.
+        IncompleteCheckpointError, CorruptCheckpointError: ``.metadata`` cannot be read.
+    """
+    from nvdcp.errors import MissingBaseError
+
+    spec = _spec(path)
+    ref = read_delta(_read_metadata(spec, storage_options), spec)
+    if ref is None:
+        return None
+    location, why = find_base(spec, ref, storage_options)
+    if location is None:
+        raise MissingBaseError(f"{spec}: {why}")
+    return location
+
+
+def _save_id(metadata: Any) -> str:
+    return str(getattr(getattr(metadata, "storage_meta", None), "save_id", "") or "")
+
+
+def _dependency_graph(infos: list[CheckpointInfo], options: Options) -> dict[str, list[str]]:
+    """For each complete checkpoint of ``infos``, the paths of those of ``infos`` it is a direct
+    delta of (its base, when that lives among them: the first base candidate that holds the save
+    the delta names, as a load picks it)."""
+    metadata: dict[str, Any] = {}
+    for info in infos:
+        if info.complete:
+            try:
+                metadata[info.path] = _read_metadata(info.path, options)
+            except (NvdcpError, OSError):
+                pass
+    graph: dict[str, list[str]] = {}
+    for path, md in metadata.items():
+        try:
+            ref = read_delta(md, path)
+        except NvdcpError:
+            continue
+        if ref is None:
+            continue
+        for location in base_candidates(path, ref):
+            match = next((p for p in metadata if same_location(p, location)), None)
+            if match is None:
+                continue  # not committed here, or outside the root: nothing here to protect for it
+            if _base_mismatch(metadata[match], ref) is None:
+                graph[path] = [match]
+                break
+    return graph
+
+
+def _closure(starts: list[str], graph: dict[str, list[str]]) -> set[str]:
+    """Every checkpoint that ``starts`` depend on, down their chains."""
+    seen: set[str] = set()
+    todo = [b for s in starts for b in graph.get(s, [])]
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        todo.extend(graph.get(path, []))
+    return seen
+
+
+def checkpoint_problem(path: str, storage_options: Options = None, *, _seen: set[str] | None = None) -> str | None:
     """Why the checkpoint at ``path`` cannot be loaded, or None if it looks usable.
 
     Checks that ``.metadata`` loads and that every data file it names exists and holds at least
-    the bytes its records point at. It does not read or checksum the data (that is
+    the bytes its records point at; for a delta checkpoint, that its base is where a load looks
+    for it, is the save the delta was written against, and passes these checks in turn (down
+    the chain). It does not read or checksum the data (that is
     :func:`nvdcp.verify_checkpoint`). ``.metadata`` goes through nvdcp's restricted unpickler,
     which refuses the ``PosixPath`` that stock ``FileSystemWriter`` checkpoints pickle: manage
     those with ``verify=False``.
     """
     from nvdcp.dcp.metadata_io import load_metadata
-    from nvdcp.errors import NvdcpError
 
     try:
         storage = _open(path, storage_options)
@@ -128,9 +269,19 @@ def checkpoint_problem(path: str, storage_options: Options = None) -> str | None
             size = storage.size(name)
             if size < end:
                 return f"{storage.describe(name)} holds {size} bytes, .metadata needs {end}"
+        ref = read_delta(metadata, path)
     except (NvdcpError, OSError) as exc:
         return f"{path}: {exc}"
-    return None
+    if ref is None:
+        return None
+    seen = _seen or set()
+    if any(same_location(path, s) for s in seen) or len(seen) > _MAX_CHAIN_WALK:
+        return f"{path}: its chain of bases loops back on itself"
+    location, why = find_base(path, ref, storage_options)
+    if location is None:
+        return f"{path}: {why}"
+    problem = checkpoint_problem(location, storage_options, _seen=seen | {path})
+    return None if problem is None else f"{path}: its base is unusable: {problem}"
 
 
 def latest_checkpoint(root: str | os.PathLike[str], storage_options: Options = None, *,
@@ -166,13 +317,41 @@ def broadcast_latest_checkpoint(root: str | os.PathLike[str], storage_options: O
     return holder[0]
 
 
-def delete_checkpoint(path: str, storage_options: Options = None) -> list[str]:
+def dependents(path: str | os.PathLike[str], storage_options: Options = None) -> list[str]:
+    """The checkpoints next to ``path`` (the other ``step_N`` of its root) that are deltas
+    against it, directly or down their chain: deleting it would make them unloadable. Oldest
+    first."""
+    spec = _spec(path).rstrip("/")
+    root, _, name = spec.rpartition("/")
+    if not root or not _STEP_DIR.match(name):
+        return []  # not under a root of step_N checkpoints: no siblings to know of
+    infos = list_checkpoints(root, storage_options)
+    graph = _dependency_graph(infos, storage_options)
+    return [
+        i.path for i in infos
+        if not same_location(i.path, spec) and any(same_location(spec, b) for b in _closure([i.path], graph))
+    ]
+
+
+def delete_checkpoint(path: str, storage_options: Options = None, *, force: bool = False) -> list[str]:
     """Delete one checkpoint: ``.metadata`` first, then the files DCP writers make.
 
     Returns the names left behind because nvdcp did not recognise them (the directory of a local
     checkpoint is removed only when nothing is left).
+
+    Raises:
+        CheckpointInUseError: other checkpoints of the same root are deltas against this one
+            (:func:`dependents`, named in the message); ``force=True`` deletes it anyway, and
+            they can no longer be loaded.
     """
     spec = _spec(path)
+    if not force:
+        users = dependents(spec, storage_options)
+        if users:
+            raise CheckpointInUseError(
+                f"{spec} is the base of {len(users)} delta checkpoint(s) that need it to load: "
+                f"{', '.join(users)}; delete those first, or pass force=True", users,
+            )
     storage = _open(spec, storage_options)
     storage.delete([METADATA_NAME])
     names = storage.list()
@@ -194,7 +373,8 @@ def prune_checkpoints(root: str | os.PathLike[str], keep_last: int, storage_opti
 
     Also deleted: incomplete or unusable checkpoints older than the newest kept one (leftovers of
     failed saves). Never deleted: anything newer than the newest usable checkpoint (it may be a
-    save in progress), and anything at all when no checkpoint is usable. ``verify`` as in
+    save in progress), anything at all when no checkpoint is usable, and the bases of what is
+    not deleted (delta checkpoints, down their chains), however old. ``verify`` as in
     :func:`latest_checkpoint`. Returns what was (or, with ``dry_run``, would be) deleted, oldest
     first.
     """
@@ -213,15 +393,24 @@ def prune_checkpoints(root: str | os.PathLike[str], keep_last: int, storage_opti
         return []
     newest = (kept[0].step, kept[0].path)
     doomed = [c for c in infos if c not in kept and (c.step, c.path) < newest]
+    if doomed:
+        # Bases of what stays (kept, or newer and untouched), down their chains, stay too.
+        graph = _dependency_graph(infos, storage_options)
+        needed = _closure([c.path for c in infos if c not in doomed], graph)
+        for c in doomed:
+            if c.path in needed:
+                logger.info("keeping checkpoint %s: a kept delta checkpoint needs it as its base", c.path)
+        doomed = [c for c in doomed if c.path not in needed]
     for c in doomed:
         if dry_run:
             continue
         logger.info("deleting checkpoint %s", c.path)
-        delete_checkpoint(c.path, storage_options)
+        delete_checkpoint(c.path, storage_options, force=True)
     return doomed
 
 
 __all__ = [
-    "CheckpointInfo", "broadcast_latest_checkpoint", "checkpoint_path", "checkpoint_problem",
-    "delete_checkpoint", "latest_checkpoint", "list_checkpoints", "prune_checkpoints",
+    "CheckpointInUseError", "CheckpointInfo", "broadcast_latest_checkpoint", "checkpoint_base", "checkpoint_path",
+    "checkpoint_problem", "delete_checkpoint", "dependents", "find_base", "latest_checkpoint", "list_checkpoints",
+    "prune_checkpoints",
 ]

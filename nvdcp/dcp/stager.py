@@ -66,6 +66,7 @@ GiB = 1 << 30
 _ALIGN = 64
 _SNAP_ALIGN = 256  # snapshot tensors start here: any dtype views them, nvCOMP reads them aligned
 CPU_MODES = ("copy", "compress")
+GPU_MODES = ("compress", "copy")
 
 
 # -- host buffers ------------------------------------------------------------------------------
@@ -384,6 +385,10 @@ class NvcompStager:
             ``dcp.async_save`` then returns an ``AsyncSaveResponse`` (``staging_completion``,
             ``upload_completion``) instead of a plain future, which callers written for
             ``DefaultStager``'s async staging expect (torchtitan's ``async_with_pinned_mem``).
+        gpu_mode: ``"compress"`` (default: GPU tensors are compressed on the GPU while staging)
+            or ``"copy"`` (host copies of their raw bytes, compressed by the background save:
+            what a writer saving deltas (``NvcompWriter(delta=...)``) stages through, since each
+            item's base is only known once the save is planned).
         async_staging: overlapped staging (above); implies a future from ``stage``, so
             ``dcp.async_save`` returns an ``AsyncSaveResponse``.
         snapshot_bytes: GPU memory per device the overlapped snapshot may use in one save
@@ -414,11 +419,15 @@ class NvcompStager:
         on_identical_save: str | None = None,
         async_staging: bool = False,
         snapshot_bytes: int | None = None,
+        gpu_mode: str = "compress",
     ) -> None:
         from nvdcp.dcp.commit import identical_save_policy
 
         if cpu_mode not in CPU_MODES:
             raise ValueError(f"cpu_mode must be one of {CPU_MODES}, got {cpu_mode!r}")
+        if gpu_mode not in GPU_MODES:
+            raise ValueError(f"gpu_mode must be one of {GPU_MODES}, got {gpu_mode!r}")
+        self.gpu_mode = gpu_mode
         if buffer_bytes < 0:
             raise ValueError(f"buffer_bytes must be >= 0, got {buffer_bytes}")
         if snapshot_bytes is not None and snapshot_bytes < 0:
@@ -682,7 +691,7 @@ class NvcompStager:
             stats.shards += 1
             stats.raw_bytes += nbytes
             label = f"state_dict entry {where!r}"
-            if data.is_cuda and self._gpu_ok:
+            if data.is_cuda and self._gpu_ok and self.gpu_mode == "compress":
                 stats.gpu_shards += 1
                 if self.async_staging and nbytes:
                     snap = out.snapshots.get(data.device)
@@ -914,19 +923,20 @@ def _host_deepcopy(obj: Any) -> Any:
 
 
 # -- NvcompWriter as an AsyncStager ------------------------------------------------------------
-_SHARED: dict[tuple[EncodeConfig, GpuConfig], NvcompStager] = {}
+_SHARED: dict[tuple[EncodeConfig, GpuConfig, str], NvcompStager] = {}
 _SHARED_LOCK = threading.Lock()
 
 
-def shared_stager(encoding: EncodeConfig, gpu: GpuConfig) -> NvcompStager:
+def shared_stager(encoding: EncodeConfig, gpu: GpuConfig, gpu_mode: str = "compress") -> NvcompStager:
     """The process-wide stager for these settings: writers made per save share its buffers.
 
     :func:`close_shared_stagers` (and :func:`nvdcp.release_resources`) frees them."""
-    key = (encoding, gpu)
+    key = (encoding, gpu, gpu_mode)
     with _SHARED_LOCK:
         if key not in _SHARED:
             _SHARED[key] = NvcompStager(
                 codec=encoding.codec, chunk_bytes=encoding.chunk_bytes, gpu=gpu, codec_threads=encoding.codec_threads,
+                gpu_mode=gpu_mode,
             )
         return _SHARED[key]
 
@@ -955,7 +965,10 @@ class WriterStagingMixin:
         return False
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any] | Future[dict[str, Any]]:
-        return (self.stager or shared_stager(self.encoding, self.gpu)).stage(state_dict)
+        # A writer saving deltas stages raw host copies: the base of each item is chosen when
+        # the save is planned, after staging, so the background save XORs and compresses them.
+        deltas = getattr(self, "delta", None) is not None or getattr(self, "base", None) is not None
+        return (self.stager or shared_stager(self.encoding, self.gpu, "copy" if deltas else "compress")).stage(state_dict)
 
     def synchronize_staging(self) -> None:
         """Nothing to do: staging is synchronous."""

@@ -695,6 +695,8 @@ class _FileWriter:
                     self.write(item, data.encoded)
                     continue
                 data = data.host_tensor
+                if writer._delta_save is not None:
+                    data = writer._delta_save.prepare(item.index, data)  # its base; its bytes kept
             yield item, data
 
     def run(self) -> None:
