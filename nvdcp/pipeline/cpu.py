@@ -192,6 +192,29 @@ def _float_planes(kind: int, dtype_code: int, transform: int) -> bool:
         return False
 
 
+#: A delta plane is compressed only when its first block's chunk shrinks at least this much:
+#: the low mantissa planes of a float XOR are near-random (7.9+ bits of entropy per byte), and
+#: trying every chunk of them cost as much codec time as the whole rest of the item.
+PROBE_MIN_GAIN = 0.03
+
+
+def _probe_planes(raw: np.ndarray, n_planes: int, layout: Layout, codecs: list[Codec | None],
+                  chunk_bytes: int) -> tuple[Layout, list[Codec | None]]:
+    """``layout`` with the planes whose first chunk does not compress stored raw."""
+    n = raw.size // n_planes
+    if n == 0:
+        return layout, codecs
+    first = min(n, chunk_bytes)
+    sample = split_planes(np.ascontiguousarray(raw[: first * n_planes]), n_planes) if n_planes > 1 else raw[:first][None]
+    names = list(layout.plane_codecs)
+    out = list(codecs)
+    for p, codec in enumerate(codecs):
+        if codec is not None and len(codec.encode(sample[p].data)) > first * (1 - PROBE_MIN_GAIN):
+            names[p % len(names)] = "none" if len(names) == n_planes else names[p % len(names)]
+            out[p] = None
+    return Layout(layout.transform, tuple(names)), out
+
+
 def encode_item(
     raw: np.ndarray,
     *,
@@ -223,6 +246,8 @@ def encode_item(
     # same tuned codec settings
     sparse = base is not None or _float_planes(kind, dtype_code, layout.transform)
     codecs = _plane_codecs(layout.plane_codecs, n_planes, sparse)
+    if base is not None:
+        layout, codecs = _probe_planes(raw, n_planes, layout, codecs, chunk_bytes)
     n_blocks = -(-(raw.size // n_planes) // chunk_bytes)
     per = max(1, _GROUP_BYTES // (chunk_bytes * n_planes))
     spans = [range(s, min(n_blocks, s + per)) for s in range(0, n_blocks, per)]
