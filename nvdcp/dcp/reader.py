@@ -336,26 +336,63 @@ class NvcompReader(StorageReader):
 
     def _base_item(self, index: MetadataIndex, header: ItemHeader, where: str) -> np.ndarray:
         """The raw bytes of the base item a delta record ``header`` was saved against."""
+        base = self._checked_base(index, where)
+        base_header, base_raw = base.item_raw(index)
+        self._check_base_digest(base, index, header, base_header, where)
+        return base_raw
+
+    def _checked_base(self, index: MetadataIndex, where: str) -> NvcompReader:
         base = self.base
         if base is None:
             raise CorruptCheckpointError(f"{where}: a delta item, but .metadata names no base checkpoint")
         assert base.metadata is not None
         if index not in base.metadata.storage_data:
             raise BaseMismatchError(f"{where}: its base {base.storage.url} holds no item {describe_index(index)}")
-        base_header, base_raw = base.item_raw(index)
+        return base
+
+    @staticmethod
+    def _check_base_digest(base: NvcompReader, index: MetadataIndex, header: ItemHeader, base_header: ItemHeader,
+                           where: str) -> None:
         if digest_of_header(base_header) != header.base_digest or base_header.raw_nbytes != header.raw_nbytes:
             raise BaseMismatchError(
                 f"{where}: saved against a base item of digest {header.base_digest:#010x}, but "
                 f"{base.where(index)} has digest {digest_of_header(base_header):#010x}: not the base of this delta"
             )
-        return base_raw
 
-    def _load_deltas(self, indexes: list[MetadataIndex], report: Report) -> Iterator[tuple[MetadataIndex, ItemHeader, Any]]:
-        """Delta items, each rebuilt from its chain (:meth:`item_raw`) on the I/O threads."""
+    def item_raw_on(self, index: MetadataIndex, device: torch.device, report: Report | None = None,
+                    ) -> tuple[ItemHeader, torch.Tensor]:
+        """:meth:`item_raw` decoded on a GPU: each record of the chain is checked and decoded by
+        the GPU path, the XORs run on ``device``; returns a flat uint8 CUDA tensor."""
+        report = report or Report("load", self.storage.url)
+        name, offset, length = self.record_of(index)
+        where = self.where(index)
+        header = self._read_header(name, offset, length, where)
+        base_raw = None
+        if header.is_delta:
+            base = self._checked_base(index, where)
+            base_header, base_raw = base.item_raw_on(index, device)
+            self._check_base_digest(base, index, header, base_header, where)
+        ((_, header, raw),) = self._load_gpu_batch([index], device, report)
+        if base_raw is not None:
+            raw.bitwise_xor_(base_raw)
+        return header, raw
+
+    def _load_deltas(self, indexes: list[MetadataIndex], devices: dict[MetadataIndex, torch.device | None],
+                     report: Report) -> Iterator[tuple[MetadataIndex, ItemHeader, Any]]:
+        """Delta items, each rebuilt from its chain on the I/O threads (on its decode device's
+        GPU when it has one, :meth:`item_raw_on`; else :meth:`item_raw`)."""
         if not indexes:
             return
-        with ThreadPoolExecutor(self.thread_count, thread_name_prefix="nvdcp-delta") as pool:
-            for index, (header, raw) in zip(indexes, pool.map(lambda ix: self.item_raw(ix, report), indexes)):
+
+        def rebuild(index: MetadataIndex) -> tuple[ItemHeader, Any]:
+            device = devices.get(index)
+            if device is not None:
+                return self.item_raw_on(index, device, report)
+            return self.item_raw(index, report)
+
+        threads = min(self.thread_count, self.gpu_threads) if any(devices.values()) else self.thread_count
+        with ThreadPoolExecutor(threads, thread_name_prefix="nvdcp-delta") as pool:
+            for index, (header, raw) in zip(indexes, pool.map(rebuild, indexes)):
                 yield index, header, raw
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -378,8 +415,7 @@ class NvcompReader(StorageReader):
         delta_set = set(deltas)
         if gpu_available():
             devices = {
-                index: None if index in stock or index in delta_set else self._decode_device(reqs, planner)
-                for index, reqs in by_item.items()
+                index: None if index in stock else self._decode_device(reqs, planner) for index, reqs in by_item.items()
             }
         else:
             devices = dict.fromkeys(by_item)
@@ -402,7 +438,9 @@ class NvcompReader(StorageReader):
             return planner.resolve_tensor(reqs[0]).detach()
 
         loads = itertools.chain(
-            self._load_deltas(sorted(deltas, key=lambda ix: (records[ix].relative_path, records[ix].offset)), report),
+            self._load_deltas(
+                sorted(deltas, key=lambda ix: (records[ix].relative_path, records[ix].offset)), devices, report
+            ),
             self._fetch_and_decode(order, devices, stock, report, destination, cpu=_CpuPlan(by_item, records, planner)),
         )
         for index, header, data in loads:
@@ -606,7 +644,9 @@ class NvcompReader(StorageReader):
             element_size = _element_size(dtype)
             if header.transform and header.n_planes != element_size:
                 raise CorruptCheckpointError(f"{where}: {header.n_planes} byte planes for {element_size}-byte elements")
-            self._check_against_metadata(header, dtype, shape, element_size, where)  # type: ignore[arg-type]
+            # a v2 record only where .metadata says delta (item_raw_on XORs it with its base)
+            delta = header.is_delta and descriptor.is_delta(self._record(index))
+            self._check_against_metadata(header, dtype, shape, element_size, where, delta)  # type: ignore[arg-type]
             found = targets[i] if targets is not None else None
             out = None
             whole = None
