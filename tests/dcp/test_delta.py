@@ -1,0 +1,626 @@
+"""Delta checkpoints (docs/FORMAT.md, "Delta checkpoints"), single process on the CPU: chains round
+trip bit-exactly, the policy schedule, explicit bases, resuming, the host cache, items that change
+shape or do not pay, errors that name the broken base, and saves that fail half-way."""
+
+from __future__ import annotations
+
+import errno
+import os
+import pickle
+import shutil
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+import nvdcp
+from nvdcp.dcp import descriptor
+from nvdcp.dcp.delta import DeltaSave
+from nvdcp.format.delta import DELTA_ATTR
+from nvdcp.format.header import checksum, parse_item_header
+from nvdcp.testing import faults as F
+from tests.conftest import bit_equal, random_tensor, weights_like
+from tests.dcp.helpers import empty_like_sd, failure_of, item_span, load, save
+
+pytestmark = pytest.mark.timeout(120)
+
+SENTINEL = 7
+
+
+# -- state --------------------------------------------------------------------------------------
+def _state() -> dict[str, Any]:
+    return {
+        "w": weights_like((256, 300), seed=1),
+        "b16": weights_like((64, 100), torch.bfloat16, seed=2),
+        "ids": torch.arange(5000, dtype=torch.int64),
+        "empty": torch.empty(0, 3),
+        "obj": {"step": 0, "note": "a BYTE_IO item"},
+    }
+
+
+def _train(sd: dict[str, Any], step: int) -> None:
+    """One step of 'training': small updates, as between two checkpoints of a real job."""
+    g = torch.Generator().manual_seed(100 + step)
+    sd["w"].add_(torch.randn(sd["w"].shape, generator=g) * 1e-4)
+    sd["b16"].add_((torch.randn(sd["b16"].shape, generator=g) * 1e-3).bfloat16())
+    sd["ids"][step * 7 : step * 7 + 5] += 1
+    sd["obj"] = {"step": step, "note": "a BYTE_IO item"}
+
+
+def _snapshot(sd: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.clone() if isinstance(v, torch.Tensor) else dict(v) if isinstance(v, dict) else v for k, v in sd.items()}
+
+
+def _sentinel_like(sd: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in sd.items():
+        if isinstance(v, torch.Tensor):
+            out[k] = torch.full(v.shape, SENTINEL, dtype=v.dtype) if v.dtype != torch.bool else torch.ones(v.shape, dtype=torch.bool)
+        elif isinstance(v, dict):
+            out[k] = _sentinel_like(v)  # DCP flattens nested dicts: one item per leaf
+        else:
+            out[k] = "untouched"
+    return out
+
+
+def _assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert set(got) == set(want)
+    for k, v in want.items():
+        if isinstance(v, torch.Tensor):
+            assert bit_equal(got[k], v), k
+        else:
+            assert got[k] == v, k
+
+
+def _load_check(path: Path, want: dict[str, Any], **kw: Any) -> None:
+    out = empty_like_sd(want)
+    load(out, path, **kw)
+    _assert_same(out, want)
+
+
+def _metadata(path: Path) -> Any:
+    return nvdcp.NvcompReader(path).read_metadata()
+
+
+def _record(path: Path) -> dict[str, Any] | None:
+    return getattr(_metadata(path), DELTA_ATTR, None)
+
+
+def _depth(path: Path) -> int:
+    rec = _record(path)
+    return 0 if rec is None else rec["depth"]
+
+
+def _delta_fqns(path: Path) -> set[str]:
+    return {ix.fqn for ix, info in _metadata(path).storage_data.items() if descriptor.is_delta(info)}
+
+
+def _save_error(sd: dict[str, Any], path: Path, **kw: Any) -> BaseException:
+    with pytest.raises((CheckpointException, nvdcp.NvdcpError, ValueError)) as info:
+        save(sd, path, **kw)
+    return failure_of(info.value)
+
+
+def _load_error(path: Path, target: dict[str, Any]) -> BaseException:
+    with pytest.raises((CheckpointException, nvdcp.NvdcpError)) as info:
+        load(target, path)
+    return failure_of(info.value)
+
+
+def _chain(root: Path, n: int, policy: nvdcp.DeltaPolicy, sd: dict[str, Any] | None = None,
+           **kw: Any) -> tuple[list[Path], list[dict[str, Any]], dict[str, Any]]:
+    """``n`` saves with ``policy`` to root/s0..; the paths, what each holds, and the live state."""
+    sd = sd if sd is not None else _state()
+    paths, wants = [], []
+    for step in range(n):
+        if step:
+            _train(sd, step)
+        path = root / f"s{step}"
+        save(sd, path, delta=policy, **kw)
+        paths.append(path)
+        wants.append(_snapshot(sd))
+    return paths, wants, sd
+
+
+class _CountReads:
+    """Counts items whose base was read back from storage (not found in the host cache)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.n = 0
+        original = DeltaSave._read_base
+
+        def counted(this: DeltaSave, *args: Any) -> Any:
+            self.n += 1
+            return original(this, *args)
+
+        monkeypatch.setattr(DeltaSave, "_read_base", counted)
+
+
+# -- round trips and the schedule ---------------------------------------------------------------
+def test_chain_round_trips_bit_exact_and_follows_full_every(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    reads = _CountReads(monkeypatch)
+    policy = nvdcp.DeltaPolicy(full_every=4)
+    paths, wants, _ = _chain(tmp_path, 6, policy)
+    assert [_depth(p) for p in paths] == [0, 1, 2, 3, 0, 1]
+    assert reads.n == 0  # every base came from the host cache
+    for i, path in enumerate(paths):
+        rec = _record(path)
+        if rec is None:
+            assert _delta_fqns(path) == set()
+            continue
+        assert rec["version"] == 1
+        assert rec["base"] == os.fspath(paths[i - 1]) and rec["relative"] == f"../s{i - 1}"
+        assert rec["save_id"] == _metadata(paths[i - 1]).storage_meta.save_id
+        assert rec["digests_crc"] == _metadata(paths[i - 1]).nvdcp_digests["crc"]
+        deltas = _delta_fqns(path)
+        assert {"w", "ids"} <= deltas, deltas
+        assert not deltas & {"empty", "obj.step", "obj.note"}  # empty tensors and BYTE_IO items: whole
+    # the delta pays: a delta save is well smaller than the full one
+    size = [sum(i.length for i in _metadata(p).storage_data.values()) for p in paths]
+    assert size[1] < 0.85 * size[0] and size[5] < 0.85 * size[4]
+    assert policy.last is not None and policy.last.location == os.fspath(paths[5]) and policy.last.depth == 1
+    for path, want in zip(paths, wants):
+        _load_check(path, want)
+
+
+def test_max_chain_bounds_the_depth(tmp_path: Path) -> None:
+    paths, wants, _ = _chain(tmp_path, 6, nvdcp.DeltaPolicy(full_every=100, max_chain=2))
+    assert [_depth(p) for p in paths] == [0, 1, 2, 0, 1, 2]
+    _load_check(paths[2], wants[2])
+    _load_check(paths[5], wants[5])
+
+
+def test_full_every_one_never_deltas(tmp_path: Path) -> None:
+    paths, wants, _ = _chain(tmp_path, 3, nvdcp.DeltaPolicy(full_every=1))
+    assert [_record(p) for p in paths] == [None, None, None]
+    assert all(not _delta_fqns(p) for p in paths)
+    _load_check(paths[2], wants[2])
+
+
+def test_policy_arguments_are_checked() -> None:
+    for kw in ({"full_every": 0}, {"max_chain": -1}, {"cache_bytes": -1}, {"min_gain": 1.0}):
+        with pytest.raises(ValueError):
+            nvdcp.DeltaPolicy(**kw)
+    with pytest.raises(TypeError):
+        nvdcp.NvcompWriter("/tmp/x", delta=object())  # type: ignore[arg-type]
+
+
+def test_dtypes_round_trip_through_a_chain(tmp_path: Path) -> None:
+    """Every element size (1, 2, 4, 8 and 16 bytes), deltas of each, bit-exact."""
+    sd = {
+        "f32": weights_like((100, 70), seed=1),
+        "bf16": weights_like((50, 33), torch.bfloat16, seed=2),
+        "f16": weights_like((50, 33), torch.float16, seed=3),
+        "i64": torch.arange(3000, dtype=torch.int64) * 3,
+        "i32": torch.arange(3000, dtype=torch.int32),
+        "u8": torch.arange(4000, dtype=torch.int64).remainder(251).to(torch.uint8),
+        "c128": torch.randn(400, dtype=torch.complex128, generator=torch.Generator().manual_seed(4)),
+        "nan": random_tensor(torch.float32, (20, 20), seed=5),  # every bit pattern
+        "scalar": torch.tensor(1.5),
+    }
+    policy = nvdcp.DeltaPolicy(full_every=8)
+    paths, wants = [], []
+    for step in range(3):
+        for v in sd.values():
+            flat = v.view(-1)
+            if v.numel() > 100:
+                flat[10 * step : 10 * step + 3] = flat[-3:].clone()
+            else:
+                flat.add_(1)
+        path = tmp_path / f"s{step}"
+        save(sd, path, delta=policy)
+        paths.append(path)
+        wants.append(_snapshot(sd))
+    assert {"f32", "bf16", "f16", "i64", "i32", "u8", "c128"} <= _delta_fqns(paths[2])
+    for path, want in zip(paths, wants):
+        _load_check(path, want)
+
+
+# -- explicit bases -----------------------------------------------------------------------------
+def test_explicit_base(tmp_path: Path) -> None:
+    sd = _state()
+    save(sd, tmp_path / "a")
+    first = _snapshot(sd)
+    _train(sd, 1)
+    save(sd, tmp_path / "b", base=tmp_path / "a")
+    assert _record(tmp_path / "b")["depth"] == 1 and "w" in _delta_fqns(tmp_path / "b")
+    second = _snapshot(sd)
+    _train(sd, 2)
+    save(sd, tmp_path / "c", base=tmp_path / "b")  # a base that is itself a delta
+    assert _record(tmp_path / "c")["depth"] == 2 and _record(tmp_path / "c")["relative"] == "../b"
+    _load_check(tmp_path / "a", first)
+    _load_check(tmp_path / "b", second)
+    _load_check(tmp_path / "c", _snapshot(sd))
+
+
+def test_explicit_base_must_not_be_the_target(tmp_path: Path) -> None:
+    sd = _state()
+    save(sd, tmp_path / "a")
+    err = _save_error(sd, tmp_path / "a", base=tmp_path / "a")
+    assert isinstance(err, ValueError) and "being saved" in str(err)
+    err = _save_error(sd, tmp_path / "a", base=str(tmp_path / "a") + "/")
+    assert isinstance(err, ValueError)
+    _load_check(tmp_path / "a", _state())  # the checkpoint there is untouched
+
+
+def test_explicit_missing_base_fails_the_save(tmp_path: Path) -> None:
+    err = _save_error(_state(), tmp_path / "b", base=tmp_path / "nowhere")
+    assert isinstance(err, nvdcp.MissingBaseError), err
+    assert str(tmp_path / "nowhere") in str(err)
+    assert not (tmp_path / "b" / ".metadata").exists()
+
+
+def test_explicit_base_chain_is_bounded_by_max_chain(tmp_path: Path) -> None:
+    sd = _state()
+    policy = nvdcp.DeltaPolicy(full_every=100, max_chain=1)
+    save(sd, tmp_path / "a")
+    save(sd, tmp_path / "b", base=tmp_path / "a", delta=policy)
+    assert _depth(tmp_path / "b") == 1
+    save(sd, tmp_path / "c", base=tmp_path / "b", delta=policy)  # would be depth 2
+    assert _record(tmp_path / "c") is None and not _delta_fqns(tmp_path / "c")
+    _load_check(tmp_path / "c", _snapshot(sd))
+
+
+# -- resuming and the cache ---------------------------------------------------------------------
+def test_resume_from_deltas_against_storage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh policy (a restarted job) resumed from a delta checkpoint: the next save deltas
+    against it, its bases read back from storage through the chain (the cache is empty)."""
+    paths, wants, sd = _chain(tmp_path, 2, nvdcp.DeltaPolicy(full_every=8))
+    assert _depth(paths[1]) == 1
+    reads = _CountReads(monkeypatch)
+    fresh = nvdcp.DeltaPolicy(full_every=8)
+    fresh.resume_from(paths[1])
+    assert fresh.last is not None and fresh.last.depth == 1 and not fresh.cache.entries
+    _train(sd, 2)
+    save(sd, tmp_path / "s2", delta=fresh)
+    want2 = _snapshot(sd)
+    assert reads.n >= 3  # w, b16, ids read back from storage
+    rec = _record(tmp_path / "s2")
+    assert rec["depth"] == 2 and rec["save_id"] == _metadata(paths[1]).storage_meta.save_id
+    assert {"w", "ids"} <= _delta_fqns(tmp_path / "s2")
+    # the next save uses the cache the resumed save filled
+    n = reads.n
+    _train(sd, 3)
+    save(sd, tmp_path / "s3", delta=fresh)
+    assert reads.n == n and _depth(tmp_path / "s3") == 3
+    _load_check(tmp_path / "s2", want2)
+    _load_check(tmp_path / "s3", _snapshot(sd))
+    _load_check(paths[1], wants[1])
+
+
+def test_resume_from_nothing_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(nvdcp.IncompleteCheckpointError):
+        nvdcp.DeltaPolicy().resume_from(tmp_path / "nothing")
+
+
+def test_cache_bytes_zero_reads_bases_back_from_storage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    reads = _CountReads(monkeypatch)
+    policy = nvdcp.DeltaPolicy(full_every=8, cache_bytes=0)
+    paths, wants, _ = _chain(tmp_path, 4, policy)
+    assert [_depth(p) for p in paths] == [0, 1, 2, 3]
+    assert reads.n >= 3 * 3 and not policy.cache.entries
+    assert {"w", "ids"} <= _delta_fqns(paths[3])
+    for path, want in zip(paths, wants):
+        _load_check(path, want)
+
+
+def test_small_cache_keeps_what_fits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A budget below the state's size: items beyond it are read back, all is bit-exact."""
+    reads = _CountReads(monkeypatch)
+    policy = nvdcp.DeltaPolicy(full_every=8, cache_bytes=100_000)  # w (307 kB) does not fit
+    paths, wants, _ = _chain(tmp_path, 3, policy)
+    assert reads.n >= 2 and policy.cache.used <= 100_000
+    assert "w" in _delta_fqns(paths[2])
+    for path, want in zip(paths, wants):
+        _load_check(path, want)
+
+
+def test_item_whose_delta_does_not_pay_is_stored_whole(tmp_path: Path) -> None:
+    policy = nvdcp.DeltaPolicy(full_every=8)
+    sd = _state()
+    save(sd, tmp_path / "s0", delta=policy)
+    _train(sd, 1)
+    sd["w"] = weights_like((256, 300), seed=99)  # fresh values: XOR with the old ones is noise
+    save(sd, tmp_path / "s1", delta=policy)
+    md = _metadata(tmp_path / "s1")
+    records = {ix.fqn: info for ix, info in md.storage_data.items()}
+    assert not descriptor.is_delta(records["w"])
+    assert records["w"].transform_descriptors == ("nvdcp.zstd/1",)
+    assert descriptor.is_delta(records["ids"])  # the save is still a delta
+    f, off, _ = item_span(tmp_path / "s1", "w")
+    with open(f, "rb") as fh:
+        fh.seek(off)
+        header = parse_item_header(memoryview(fh.read(records["w"].length)), "w")
+    assert header.version == 1 and not header.is_delta
+    _load_check(tmp_path / "s1", _snapshot(sd))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "min_gain is not enforced when the item's whole size is unknown: a base read back from storage "
+    "whose record is itself a delta gives whole_nbytes=None (DeltaSave._read_base), DeltaInput.pays() "
+    "then says yes to any delta, and ItemEncoder.encode_tensor never encodes the item whole to compare"))
+def test_delta_that_does_not_pay_is_stored_whole_when_the_base_is_read_back(tmp_path: Path) -> None:
+    """cache_bytes=0: s2's base (s1) is read back from storage and its record of w is a delta.
+    w replaced by fresh values at s2: the delta is larger than w stored whole, so w must be whole."""
+    policy = nvdcp.DeltaPolicy(full_every=8, cache_bytes=0)
+    paths, _, sd = _chain(tmp_path, 2, policy)
+    assert "w" in _delta_fqns(paths[1])
+    sd["w"] = weights_like((256, 300), seed=99)
+    _train(sd, 2)
+    save(sd, tmp_path / "s2", delta=policy)
+    save({"w": sd["w"]}, tmp_path / "whole")
+    whole = next(i.length for i in _metadata(tmp_path / "whole").storage_data.values())
+    got = next(i for ix, i in _metadata(tmp_path / "s2").storage_data.items() if ix.fqn == "w")
+    _load_check(tmp_path / "s2", _snapshot(sd))  # correct either way: only the size is at stake
+    assert got.length <= whole and not descriptor.is_delta(got), (got.length, whole)
+
+
+def test_items_added_removed_and_reshaped(tmp_path: Path) -> None:
+    policy = nvdcp.DeltaPolicy(full_every=8)
+    sd0 = {
+        "keep": weights_like((128, 100), seed=1),
+        "reshaped": weights_like((64, 50), seed=2),
+        "retyped": weights_like((64, 50), seed=3),
+        "gone": weights_like((10, 10), seed=4),
+    }
+    save(sd0, tmp_path / "s0", delta=policy)
+    sd1 = {
+        "keep": sd0["keep"] + 1e-5,
+        "reshaped": sd0["reshaped"].reshape(50, 64).clone(),  # same bytes, other shape
+        "retyped": sd0["retyped"].double(),
+        "new": weights_like((30, 30), seed=5),
+    }
+    save(sd1, tmp_path / "s1", delta=policy)
+    assert _depth(tmp_path / "s1") == 1
+    assert _delta_fqns(tmp_path / "s1") == {"keep"}
+    _load_check(tmp_path / "s1", sd1)
+    # one more save: the reshaped, retyped and new items now have a base of their own shape
+    sd2 = {k: v + 1e-5 for k, v in sd1.items()}
+    save(sd2, tmp_path / "s2", delta=policy)
+    assert _depth(tmp_path / "s2") == 2
+    assert _delta_fqns(tmp_path / "s2") == {"keep", "reshaped", "retyped", "new"}
+    _load_check(tmp_path / "s2", sd2)
+    _load_check(tmp_path / "s0", sd0)
+
+
+def test_a_tree_of_checkpoints_moved_whole_keeps_loading(tmp_path: Path) -> None:
+    paths, wants, _ = _chain(tmp_path / "run", 3, nvdcp.DeltaPolicy(full_every=8))
+    shutil.move(tmp_path / "run", tmp_path / "moved")
+    _load_check(tmp_path / "moved" / "s2", wants[2])  # bases found by their relative location
+
+
+# -- errors name the broken base ----------------------------------------------------------------
+def _two(tmp_path: Path, **kw: Any) -> tuple[Path, Path, dict[str, Any]]:
+    paths, wants, _ = _chain(tmp_path, 2, nvdcp.DeltaPolicy(full_every=8), **kw)
+    assert _depth(paths[1]) == 1
+    return paths[0], paths[1], wants[1]
+
+
+def _untouched(target: dict[str, Any], fqns: Any = None) -> None:
+    for k, v in target.items():
+        if fqns is not None and k not in fqns:
+            continue
+        if isinstance(v, torch.Tensor):
+            assert v.numel() == 0 or bool((v == SENTINEL).all()), k
+        elif isinstance(v, dict):
+            _untouched(v)
+        else:
+            assert v == "untouched", k
+
+
+def test_deleted_base_is_named_and_nothing_is_loaded(tmp_path: Path) -> None:
+    base, delta, want = _two(tmp_path)
+    shutil.rmtree(base)
+    target = _sentinel_like(want)
+    err = _load_error(delta, target)
+    assert isinstance(err, nvdcp.MissingBaseError), repr(err)
+    assert str(base) in str(err) and str(delta) in str(err) and "restore" in str(err)
+    _untouched(target)
+
+
+def test_deleted_base_under_checkpoint_exception(tmp_path: Path) -> None:
+    """What DCP raises: a CheckpointException whose failure is the MissingBaseError."""
+    base, delta, want = _two(tmp_path)
+    (base / ".metadata").unlink()  # an uncommitted base counts as missing
+    with pytest.raises(CheckpointException) as info:
+        load(_sentinel_like(want), delta)
+    assert "MissingBaseError" in str(info.value) or isinstance(failure_of(info.value), nvdcp.MissingBaseError)
+    assert isinstance(failure_of(info.value), FileNotFoundError)
+
+
+def test_base_of_a_base_deleted(tmp_path: Path) -> None:
+    paths, wants, _ = _chain(tmp_path, 3, nvdcp.DeltaPolicy(full_every=8))
+    shutil.rmtree(paths[0])
+    target = _sentinel_like(wants[2])
+    err = _load_error(paths[2], target)
+    assert isinstance(err, nvdcp.MissingBaseError) and str(paths[0]) in str(err)
+    _untouched(target)
+
+
+def test_overwritten_base_is_a_mismatch(tmp_path: Path) -> None:
+    base, delta, want = _two(tmp_path)
+    save(_state(), base)  # another save at the base's location
+    target = _sentinel_like(want)
+    err = _load_error(delta, target)
+    assert isinstance(err, nvdcp.BaseMismatchError), repr(err)
+    assert str(base) in str(err) and "overwritten" in str(err)
+    _untouched(target)
+
+
+def test_corrupt_byte_in_base_is_named_and_its_item_untouched(tmp_path: Path) -> None:
+    base, delta, want = _two(tmp_path)
+    f, off, length = item_span(base, "w")
+    data = bytearray(f.read_bytes())
+    data[off + length - 100] ^= 0x10
+    f.write_bytes(data)
+    target = _sentinel_like(want)
+    err = _load_error(delta, target)
+    assert isinstance(err, nvdcp.CorruptCheckpointError) and not isinstance(err, nvdcp.DeltaBaseError), repr(err)
+    assert f.name in str(err) and "'w'" in str(err) or "w" in str(err)
+    assert "checksum" in str(err)
+    _untouched(target, {"w"})
+
+
+def _forge_raw_record(f: Path, off: int, length: int) -> None:
+    """Change one payload byte of a ``codec="none"`` record and fix its chunk and header CRCs:
+    a well-formed record of other values (another digest)."""
+    data = bytearray(f.read_bytes())
+    header = parse_item_header(memoryview(data)[off : off + length], "forge")
+    assert len(header.chunks) >= 1 and header.chunks[0][0] == header.chunk_bytes  # stored raw
+    hb = header.header_bytes
+    data[off + hb + 5] ^= 0x01
+    chunk0 = bytes(data[off + hb : off + hb + header.chunks[0][0]])
+    table = off + hb - 4 - 8 * len(header.chunks)
+    struct.pack_into("<I", data, table + 4, checksum(chunk0))
+    struct.pack_into("<I", data, off + hb - 4, checksum(bytes(data[off : off + hb - 4])))
+    f.write_bytes(data)
+
+
+def test_base_item_with_another_digest_is_a_mismatch(tmp_path: Path) -> None:
+    sd = {"w": weights_like((256, 300), seed=1), "v": weights_like((100,), seed=2)}
+    save(sd, tmp_path / "a", codec="none")
+    sd1 = {k: v + 1e-6 for k, v in sd.items()}
+    save(sd1, tmp_path / "b", base=tmp_path / "a", codec="zstd")
+    assert "w" in _delta_fqns(tmp_path / "b")
+    f, off, length = item_span(tmp_path / "a", "w")
+    _forge_raw_record(f, off, length)
+    # the forged base still loads on its own (well-formed), only the delta sees the mismatch
+    out = empty_like_sd(sd)
+    load(out, tmp_path / "a")
+    assert not bit_equal(out["w"], sd["w"]) and bit_equal(out["v"], sd["v"])
+    target = _sentinel_like(sd1)
+    err = _load_error(tmp_path / "b", target)
+    assert isinstance(err, nvdcp.BaseMismatchError), repr(err)
+    assert "digest" in str(err) and "'w'" in str(err)
+    _untouched(target, {"w"})
+
+
+def test_base_items_swapped_in_metadata_is_a_mismatch(tmp_path: Path) -> None:
+    """The base's .metadata rebuilt with two same-shaped items swapped (same save id, same
+    digest record): each delta item finds a base record of another digest."""
+    sd = {"x": weights_like((64, 64), seed=1), "y": weights_like((64, 64), seed=2)}
+    save(sd, tmp_path / "a")
+    save({k: v + 1e-6 for k, v in sd.items()}, tmp_path / "b", base=tmp_path / "a")
+    assert _delta_fqns(tmp_path / "b") == {"x", "y"}
+    meta = tmp_path / "a" / ".metadata"
+    md = pickle.loads(meta.read_bytes())
+    (ix, iy) = [ix for ix in md.storage_data]
+    md.storage_data[ix], md.storage_data[iy] = md.storage_data[iy], md.storage_data[ix]
+    meta.write_bytes(pickle.dumps(md))
+    target = _sentinel_like(sd)
+    err = _load_error(tmp_path / "b", target)
+    assert isinstance(err, nvdcp.BaseMismatchError), repr(err)
+    assert "not the base of this delta" in str(err)
+    _untouched(target)
+
+
+def test_delta_descriptor_without_delta_record_is_refused(tmp_path: Path) -> None:
+    """A .metadata whose descriptor says whole while the record is a delta (or the reverse)."""
+    _, delta, want = _two(tmp_path)
+    meta = delta / ".metadata"
+    md = pickle.loads(meta.read_bytes())
+    for ix, info in md.storage_data.items():
+        if ix.fqn == "w":
+            info.transform_descriptors = ("nvdcp.zstd/1",)
+    meta.write_bytes(pickle.dumps(md))
+    target = _sentinel_like(want)
+    err = _load_error(delta, target)
+    assert isinstance(err, nvdcp.CorruptCheckpointError) and "delta" in str(err) and "w" in str(err)
+    _untouched(target, {"w"})
+
+
+def test_malformed_or_newer_delta_record_is_refused(tmp_path: Path) -> None:
+    _, delta, want = _two(tmp_path)
+    meta = delta / ".metadata"
+    md = pickle.loads(meta.read_bytes())
+    getattr(md, DELTA_ATTR)["version"] = 9
+    meta.write_bytes(pickle.dumps(md))
+    err = _load_error(delta, _sentinel_like(want))
+    assert isinstance(err, nvdcp.CorruptCheckpointError) and "v9" in str(err) and "upgrade" in str(err)
+    getattr(md, DELTA_ATTR)["version"] = 1
+    getattr(md, DELTA_ATTR)["depth"] = 0
+    meta.write_bytes(pickle.dumps(md))
+    err = _load_error(delta, _sentinel_like(want))
+    assert isinstance(err, nvdcp.CorruptCheckpointError) and "malformed" in str(err)
+
+
+# -- crash safety -------------------------------------------------------------------------------
+def _raise_enospc() -> None:
+    raise OSError(errno.ENOSPC, "injected: no space left on device")
+
+
+@pytest.mark.parametrize("at", ["bytes", "finish_start"])
+def test_failed_delta_save_keeps_the_chain_and_the_cache_honest(tmp_path: Path, at: str) -> None:
+    """A delta save that fails half-way (a storage write, or before the commit): the previous
+    checkpoint and its base load bit-exactly, and the next saves of the policy make a correct
+    chain (cached bytes of the failed save are never taken for the committed save's)."""
+    policy = nvdcp.DeltaPolicy(full_every=8)
+    paths, wants, sd = _chain(tmp_path, 2, policy, thread_count=1)
+    last = policy.last
+    _train(sd, 2)
+    stopper = F.Stopper(after_bytes=150_000, action=_raise_enospc) if at == "bytes" else F.Stopper(
+        at="finish_start", action=_raise_enospc)
+    with pytest.raises((CheckpointException, OSError)):
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(sd, storage_writer=F.StoppingWriter(tmp_path / "s2", stopper=stopper, delta=policy, thread_count=1))
+    assert not (tmp_path / "s2" / ".metadata").exists()
+    assert policy.last == last  # nothing committed: the base stays the last good save
+    _load_check(paths[0], wants[0])
+    _load_check(paths[1], wants[1])
+    # the state moves on; the retried save and the next one chain onto s1
+    _train(sd, 3)
+    save(sd, tmp_path / "s2", delta=policy, thread_count=1)
+    want2 = _snapshot(sd)
+    assert _depth(tmp_path / "s2") == 2 and _record(tmp_path / "s2")["base"] == os.fspath(paths[1])
+    _train(sd, 4)
+    save(sd, tmp_path / "s3", delta=policy, thread_count=1)
+    assert _depth(tmp_path / "s3") == 3 and {"w", "ids"} <= _delta_fqns(tmp_path / "s3")
+    _load_check(tmp_path / "s2", want2)
+    _load_check(tmp_path / "s3", _snapshot(sd))
+    _load_check(paths[1], wants[1])
+
+
+def test_base_deleted_between_saves_is_saved_whole(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The policy's previous checkpoint removed out of band: the next save does not depend on it."""
+    policy = nvdcp.DeltaPolicy(full_every=8, cache_bytes=0)
+    paths, _, sd = _chain(tmp_path, 1, policy)
+    shutil.rmtree(paths[0])
+    _train(sd, 1)
+    with caplog.at_level("WARNING", logger="nvdcp.dcp.delta"):
+        save(sd, tmp_path / "s1", delta=policy)
+    assert "gone" in caplog.text
+    assert _record(tmp_path / "s1") is None and not _delta_fqns(tmp_path / "s1")
+    _load_check(tmp_path / "s1", _snapshot(sd))
+
+
+def test_base_overwritten_between_saves_deltas_against_what_is_there(tmp_path: Path) -> None:
+    """The policy's previous checkpoint overwritten by another save: the cache (the old bytes)
+    must not be used; the delta is against the checkpoint now there."""
+    policy = nvdcp.DeltaPolicy(full_every=8)
+    paths, _, sd = _chain(tmp_path, 1, policy)
+    other = _state()
+    _train(other, 5)
+    save(other, paths[0])  # not through the policy
+    _train(sd, 1)
+    save(sd, tmp_path / "s1", delta=policy)
+    rec = _record(tmp_path / "s1")
+    if rec is not None:
+        assert rec["save_id"] == _metadata(paths[0]).storage_meta.save_id
+    _load_check(tmp_path / "s1", _snapshot(sd))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "stale-save detection (on_identical_save, docs/RELIABILITY.md) never fires on delta saves: "
+    "NvcompWriter.finish compares record digests, and an unchanged item saved as a delta is a v2 "
+    "record of zeros (its own digest, naming its base's), never equal to the previous save's"))
+def test_identical_delta_save_is_refused_as_stale(tmp_path: Path) -> None:
+    policy = nvdcp.DeltaPolicy(full_every=8)
+    sd = {"w": weights_like((256, 300), seed=1), "ids": torch.arange(5000, dtype=torch.int64)}
+    save(sd, tmp_path / "s0", delta=policy, on_identical_save="error")
+    err = _save_error(sd, tmp_path / "s1", delta=policy, on_identical_save="error")  # same weights again
+    assert isinstance(err, nvdcp.StaleSaveError), err
+    assert not (tmp_path / "s1" / ".metadata").exists()
