@@ -39,7 +39,7 @@ from nvdcp.dcp.metadata_io import METADATA_NAME
 from nvdcp.dcp.save_guard import DATA_FILE, SaveGuard
 from nvdcp.errors import NvdcpError, StaleSaveError
 from nvdcp.format.delta import DELTA_ATTR
-from nvdcp.format.digest import DIGEST_ATTR, digest_record, pack_digests
+from nvdcp.format.digest import DIGEST_ATTR, digest_record, pack_digests, unpack_digests
 from nvdcp.format.file_info import file_info
 from nvdcp.format.header import pack_file_header
 from nvdcp.storage import Storage
@@ -177,9 +177,25 @@ class ItemRecord:
 
     info: _StorageInfo
     digest: int
+    #: a delta item equal to its base item: the base's digest, which the stale-save check
+    #: compares with the previous save's (the record's own digest names a v2 record)
+    same_as: int | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (ItemRecord, (self.info, self.digest))  # compact: no per-item field names when gathered
+        # compact: no per-item field names when gathered
+        if self.same_as is None:
+            return (ItemRecord, (self.info, self.digest))
+        return (ItemRecord, (self.info, self.digest, self.same_as))
+
+
+def identity_digests(results: list[list[Any]], digests: bytes) -> bytes:
+    """``digests`` (from :func:`split_results`) with each delta item equal to its base item
+    given its base's digest: what the stale-save check compares with the previous save."""
+    same = [getattr(wr.storage_data, "same_as", None) for rank in results for wr in rank]
+    if all(s is None for s in same) or len(same) * 4 != len(digests):
+        return digests
+    values = [s if s is not None else d for s, d in zip(same, unpack_digests(digests))]
+    return pack_digests(values)
 
 
 def split_results(results: list[list[Any]]) -> tuple[dict[MetadataIndex, Any], bytes | None]:

@@ -17,6 +17,7 @@ whole (docs/FORMAT.md, "Delta checkpoints"). Three pieces:
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -289,7 +290,8 @@ class DeltaSave:
             return tensor
         if keep is not None and hit is None:
             keep.whole_nbytes = whole
-        return DeltaTensor(tensor, DeltaInput(base, digest, keep.data if keep else None, whole, self.min_gain))
+        on_whole = None if keep is None else functools.partial(setattr, keep, "whole_nbytes")
+        return DeltaTensor(tensor, DeltaInput(base, digest, keep.data if keep else None, whole, self.min_gain, on_whole))
 
     def _read_base(self, index: MetadataIndex, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[torch.Tensor | None, int | None, int | None]:
         """The base item read back from storage (its chain resolved): bytes, digest, whole size."""

@@ -43,6 +43,7 @@ from nvdcp.dcp.commit import (
     check_identical_save,
     data_file_header,
     identical_save_policy,
+    identity_digests,
     split_results,
 )
 from nvdcp.dcp.delta import DEFAULT_MAX_CHAIN, DeltaPolicy, DeltaSave, SaveRef, resolve_base
@@ -402,7 +403,7 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
         commit = self._commit or CheckpointCommit(self.storage)  # no marker without a global plan step
         if digests is not None:
             try:
-                check_identical_save(self.storage.url, digests, self._identical_save_policy())
+                check_identical_save(self.storage.url, identity_digests(results, digests), self._identical_save_policy())
             except StaleSaveError:
                 commit.refuse(storage_md)  # this save's files go; the checkpoint there stays
                 self._commit = None
@@ -579,7 +580,8 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
             index=item.index,
             size_in_bytes=encoded.nbytes,
             # the digest is the header's own CRC32C: no pass over the data (docs/FORMAT.md)
-            storage_data=ItemRecord(info, digest) if self._record_digests else info,
+            storage_data=ItemRecord(info, digest, header.base_digest if encoded.unchanged else None)
+            if self._record_digests else info,
         )
 
 

@@ -113,6 +113,8 @@ class EncodedItem:
     header: ItemHeader
     header_bytes: bytes
     chunks: list[bytes | memoryview]
+    #: a delta whose XOR is all zero: the item equals its base item (the stale-save check)
+    unchanged: bool = False
 
     @functools.cached_property
     def nbytes(self) -> int:
@@ -238,10 +240,12 @@ def encode_item(
         if name in GPU_ONLY:
             raise CodecUnavailableError(f"codec {name!r} can only encode on a GPU")
     n_planes = element_size if layout.transform == TRANSFORM_BYTEPLANES else 1
+    unchanged = False
     if base is not None:
         if base.size != raw.size or base_digest is None:
             raise ValueError(f"a delta needs a base of {raw.size} bytes and its digest, got {base.size} bytes")
         raw = np.bitwise_xor(raw, base)
+        unchanged = not raw.any()
     # XOR planes are mostly zero bytes and short runs, like float sign+exponent planes: the
     # same tuned codec settings
     sparse = base is not None or _float_planes(kind, dtype_code, layout.transform)
@@ -273,7 +277,7 @@ def encode_item(
         chunk_bytes=chunk_bytes,
         base_digest=base_digest if base is not None else None,
     )
-    return EncodedItem(header, header.pack(), [s for s, _ in stored])
+    return EncodedItem(header, header.pack(), [s for s, _ in stored], unchanged)
 
 
 def chunk_table(record: Buffer, header: ItemHeader) -> tuple[np.ndarray, np.ndarray]:

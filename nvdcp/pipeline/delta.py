@@ -6,6 +6,7 @@ this is the part the CPU and GPU encoders see.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,8 @@ class DeltaInput:
     keep: torch.Tensor | None
     whole_nbytes: int | None
     min_gain: float = DEFAULT_MIN_GAIN
+    #: told the item's size stored whole when the encoder measures it (unknown ``whole_nbytes``)
+    on_whole: Callable[[int], None] | None = None
 
     def pays(self, delta_nbytes: int) -> bool:
         """Whether a delta record of ``delta_nbytes`` is worth keeping over the item stored whole."""

@@ -170,9 +170,13 @@ class ItemEncoder:
         else:
             assert delta is not None and delta.base is not None
             encoded = encode(layout=layout, base=delta.base.numpy(), base_digest=delta.base_digest)
-            if not delta.pays(encoded.nbytes):
+            if delta.whole_nbytes is None or not delta.pays(encoded.nbytes):
+                # its whole size unknown (a base read back from storage) or the delta too large
                 whole = encode(layout=choose_layout(tensor.dtype, codec))
-                encoded = whole if whole.nbytes <= encoded.nbytes else encoded
+                if delta.on_whole is not None:
+                    delta.on_whole(whole.nbytes)
+                if encoded.nbytes > whole.nbytes * (1 - delta.min_gain):
+                    encoded = whole
         if delta is not None and delta.keep is not None:
             delta.keep.numpy()[:] = raw  # after the XOR read the base there
         return encoded

@@ -338,10 +338,6 @@ def test_item_whose_delta_does_not_pay_is_stored_whole(tmp_path: Path) -> None:
     _load_check(tmp_path / "s1", _snapshot(sd))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "min_gain is not enforced when the item's whole size is unknown: a base read back from storage "
-    "whose record is itself a delta gives whole_nbytes=None (DeltaSave._read_base), DeltaInput.pays() "
-    "then says yes to any delta, and ItemEncoder.encode_tensor never encodes the item whole to compare"))
 def test_delta_that_does_not_pay_is_stored_whole_when_the_base_is_read_back(tmp_path: Path) -> None:
     """cache_bytes=0: s2's base (s1) is read back from storage and its record of w is a delta.
     w replaced by fresh values at s2: the delta is larger than w stored whole, so w must be whole."""
@@ -613,10 +609,6 @@ def test_base_overwritten_between_saves_deltas_against_what_is_there(tmp_path: P
     _load_check(tmp_path / "s1", _snapshot(sd))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "stale-save detection (on_identical_save, docs/RELIABILITY.md) never fires on delta saves: "
-    "NvcompWriter.finish compares record digests, and an unchanged item saved as a delta is a v2 "
-    "record of zeros (its own digest, naming its base's), never equal to the previous save's"))
 def test_identical_delta_save_is_refused_as_stale(tmp_path: Path) -> None:
     policy = nvdcp.DeltaPolicy(full_every=8)
     sd = {"w": weights_like((256, 300), seed=1), "ids": torch.arange(5000, dtype=torch.int64)}
