@@ -9,6 +9,11 @@ interrupted conversion leaves no checkpoint (and deletes what it wrote).
 Stock output is what torch's ``FileSystemWriter`` writes (``torch.save`` per tensor, raw bytes
 for byte items, ``_StorageInfo`` records without descriptors): it loads with stock
 ``FileSystemReader`` on a machine without nvdcp.
+
+A delta checkpoint (:class:`nvdcp.DeltaPolicy`) is materialized: each delta item is rebuilt from
+its base chain (:meth:`NvcompReader.item_raw`, everything checked) and written whole, and the
+destination records no base: it loads without the chain. Its base must be there to convert it
+(``MissingBaseError`` / ``BaseMismatchError`` otherwise, before anything is written).
 """
 
 from __future__ import annotations
@@ -121,12 +126,17 @@ class ConvertResult:
     codec: str | None
     files: int
     report: Report
+    #: A delta source: where its base was found, and how many items were rebuilt from the chain
+    #: (the destination records no base either way).
+    source_base: str | None = None
+    delta_items: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "source": self.source, "destination": self.destination, "source_format": self.source_format,
             "source_stored_bytes": self.source_stored_bytes, "to": self.to, "codec": self.codec,
-            "files": self.files, **{k: v for k, v in self.report.as_dict().items() if k not in ("op", "url")},
+            "files": self.files, "source_base": self.source_base, "delta_items": self.delta_items,
+            **{k: v for k, v in self.report.as_dict().items() if k not in ("op", "url")},
         }
 
 
@@ -224,6 +234,11 @@ class Source:
 
     def read(self, job: _Job) -> np.ndarray:
         """The item's raw bytes (flat uint8): tensor elements in C order, or the byte object."""
+        if descriptor.is_delta(job.info):
+            # A delta item: its bytes rebuilt from the base chain (every record and base digest
+            # checked), so the destination stands alone.
+            _, whole = self.reader.item_raw(job.index, self.report)
+            return whole
         if self.is_nvdcp(job.info):
             codec, _ = descriptor.parse(job.info, self.reader.where(job.index))
             device = None
@@ -257,6 +272,14 @@ class _Converter:
         self.dst = open_storage(dst, sync=True, **(dst_options or {}))
         if self.dst.url.rstrip("/") == self.src.url.rstrip("/"):
             raise ValueError(f"source and destination are the same location ({self.src.url})")
+        base = self.source.reader.base
+        while base is not None:
+            if base.storage.url.rstrip("/") == self.dst.url.rstrip("/"):
+                raise ValueError(
+                    f"{self.dst.url} is in the base chain of {self.src.url} (a delta checkpoint): writing there "
+                    "would replace the base it is rebuilt from"
+                )
+            base = base.base
         self.dst_path = os.fspath(dst)
         self.encoder = ItemEncoder(options.encoding, options.gpu)
         self.report = Report("convert", self.dst.url)
@@ -362,6 +385,8 @@ class _Converter:
             self.src.url, self.dst.url, "mixed" if len(kinds) > 1 else (kinds.pop() if kinds else "empty"),
             sum(j.info.length for j in jobs), opts.to, opts.codec if opts.to == "nvdcp" else None,
             len(by_file), self.report,
+            self.source.reader.base.path if self.source.reader.base is not None else None,
+            sum(1 for j in jobs if descriptor.is_delta(j.info)),
         )
 
 
@@ -374,13 +399,16 @@ def convert_checkpoint(
     dst_options: dict[str, Any] | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> ConvertResult:
-    """Convert the checkpoint at ``src`` (stock DCP or nvdcp, any codec) into ``dst``.
+    """Convert the checkpoint at ``src`` (stock DCP or nvdcp, any codec) into ``dst``; a delta
+    checkpoint becomes a standalone one (its base chain resolved).
 
     ``progress(done, total)`` counts uncompressed bytes. The result's ``report`` has the bytes
     (``raw_bytes`` in, ``stored_bytes`` written) and the time per phase.
 
     Raises:
         IncompleteCheckpointError: no ``.metadata`` at ``src``.
+        MissingBaseError, BaseMismatchError: ``src`` is a delta checkpoint whose base chain is
+            gone or was replaced (nothing is written).
         CheckpointExistsError: ``dst`` holds a checkpoint and ``overwrite`` is False.
         CorruptCheckpointError: a source item fails its checks (the destination is left empty).
         CodecUnavailableError: a source item's codec, or the requested codec, cannot run here.

@@ -2,6 +2,9 @@
 
 Works on nvdcp checkpoints and on stock DCP ones (``FileSystemWriter``), whose items carry no
 header: their codec is ``torch.save`` (or torch's own stream extensions, named by descriptor).
+A delta checkpoint shows its base (as recorded, and where it is found: one ``.metadata`` read
+per candidate location) and, per stored shard, whether it is stored as a delta against the base
+or whole.
 :func:`diff_checkpoints` compares two checkpoints item by item by their digests (recorded at save
 time, or computed from the item headers), again without fetching any payload.
 """
@@ -27,6 +30,7 @@ from nvdcp.codecs import codec_id, codec_names
 from nvdcp.dcp import descriptor
 from nvdcp.dcp.any_metadata import load_any_metadata
 from nvdcp.errors import CorruptCheckpointError, NvdcpError
+from nvdcp.format.delta import read_delta
 from nvdcp.format.digest import RecordedDigests, digest_of_header, read_digests
 from nvdcp.format.header import (
     FILE_FIXED_SIZE,
@@ -73,6 +77,10 @@ class Shard:
     plane_codecs: list[str] | None = None
     chunk_bytes: int | None = None
     error: str | None = None
+    #: Stored as the XOR with the same shard of the base checkpoint (a delta record), and the
+    #: digest of that base shard's header the record names; False for a shard stored whole.
+    delta: bool = False
+    base_digest: int | None = None
 
 
 @dataclass
@@ -97,6 +105,12 @@ class Item:
     def codecs(self) -> list[str]:
         return sorted({s.codec for s in self.shards})
 
+    @property
+    def stored_as(self) -> str:
+        """``"delta"`` (every shard a delta against the base), ``"full"`` (none), or ``"mixed"``."""
+        deltas = sum(s.delta for s in self.shards)
+        return "full" if not deltas else "delta" if deltas == len(self.shards) else "mixed"
+
 
 @dataclass
 class DataFile:
@@ -117,6 +131,10 @@ class Totals:
     shards: int = 0
     original_bytes: int = 0
     stored_bytes: int = 0
+    #: Items with a shard stored as a delta, such shards, and their stored bytes.
+    delta_items: int = 0
+    delta_shards: int = 0
+    delta_bytes: int = 0
 
     @property
     def ratio(self) -> float | None:
@@ -127,10 +145,27 @@ class Totals:
         self.shards += len(item.shards)
         self.original_bytes += item.original_bytes
         self.stored_bytes += item.stored_bytes
+        deltas = [s for s in item.shards if s.delta]
+        self.delta_items += bool(deltas)
+        self.delta_shards += len(deltas)
+        self.delta_bytes += sum(s.stored_bytes for s in deltas)
 
     def as_dict(self) -> dict[str, Any]:
         ratio = self.ratio
         return {**asdict(self), "ratio": None if ratio is None else round(ratio, 4)}
+
+
+@dataclass
+class BaseInfo:
+    """The base a delta checkpoint was saved against: as ``.metadata`` records it
+    (:class:`~nvdcp.format.delta.BaseRef`), and where it was found (None: ``problem`` says why)."""
+
+    location: str
+    relative: str | None
+    save_id: str
+    depth: int
+    found: str | None = None
+    problem: str | None = None
 
 
 @dataclass
@@ -148,10 +183,15 @@ class Inspection:
     #: ``"absent"``, ``"unsupported"`` (newer record) or ``"damaged"``; and in words.
     digests: str = "absent"
     digest_note: str = ""
+    #: A delta checkpoint's base (None: saved whole).
+    base: BaseInfo | None = None
+    #: ``.metadata``'s delta record is malformed or newer than this nvdcp (the checkpoint cannot load).
+    delta_error: str | None = None
 
     @property
     def errors(self) -> list[str]:
-        out = [f"{f.name}: {f.error}" for f in self.files if f.error]
+        out = [f".metadata: {self.delta_error}"] if self.delta_error else []
+        out += [f"{f.name}: {f.error}" for f in self.files if f.error]
         out += [f"{i.fqn}: {s.error}" for i in self.items for s in i.shards if s.error]
         return out
 
@@ -194,12 +234,13 @@ class Inspection:
                     "fqn": i.fqn, "kind": i.kind, "dtype": i.dtype, "shape": i.shape,
                     "stored_bytes": i.stored_bytes, "original_bytes": i.original_bytes,
                     "ratio": round(i.original_bytes / i.stored_bytes, 4) if i.stored_bytes else None,
-                    "codecs": i.codecs, "shards": [asdict(s) for s in i.shards],
+                    "codecs": i.codecs, "stored_as": i.stored_as, "shards": [asdict(s) for s in i.shards],
                 }
                 for i in self.items
             ],
             "files": [asdict(f) for f in self.files],
             "digests": {"status": self.digests, "note": self.digest_note},
+            "base": None if self.base is None else asdict(self.base),
             "errors": self.errors,
         }
 
@@ -334,8 +375,24 @@ def inspect_checkpoint(
     ]
     fmt = "mixed" if len(kinds) > 1 else (kinds.pop() if kinds else "nvdcp")
     digests = read_digests(metadata)
+    base, delta_error = _base_info(os.fspath(path), metadata, storage, storage_options)
     return Inspection(storage.url, fmt, getattr(metadata, "version", None), metadata_bytes, items, files,
-                      digests.status, digests.note)
+                      digests.status, digests.note, base, delta_error)
+
+
+def _base_info(path: str, metadata: Metadata, storage: Storage,
+               storage_options: dict[str, Any] | None) -> tuple[BaseInfo | None, str | None]:
+    """The base of a delta checkpoint and where it is found; or the delta record's problem."""
+    from nvdcp.manage import find_base
+
+    try:
+        ref = read_delta(metadata, storage.url)
+    except NvdcpError as exc:
+        return None, str(exc)
+    if ref is None:
+        return None, None
+    found, problem = find_base(path.removeprefix("file://"), ref, storage_options)
+    return BaseInfo(ref.location, ref.relative, ref.save_id, ref.depth, found, problem), None
 
 
 def _shard(storage: Storage, index: MetadataIndex, info: Any, md: Any, header: ItemHeader | str | None) -> Shard:
@@ -347,7 +404,7 @@ def _shard(storage: Storage, index: MetadataIndex, info: Any, md: Any, header: I
     shard = Shard(
         offsets, sizes, info.relative_path, info.offset, info.length, original,
         codec="+".join(descs) if descs else (STOCK_CODEC if isinstance(md, TensorStorageMetadata) else "raw"),
-        descriptor=descs[0] if descs else None,
+        descriptor=descs[0] if descs else None, delta=descriptor.is_delta(info),
     )
     if header is None:  # a stock item
         return shard
@@ -357,6 +414,14 @@ def _shard(storage: Storage, index: MetadataIndex, info: Any, md: Any, header: I
         return shard
     shard.codec, shard.transform, shard.plane_codecs = _plane_summary(header)
     shard.chunk_bytes = header.chunk_bytes
+    shard.base_digest = header.base_digest
+    if header.is_delta != shard.delta:
+        shard.error = (
+            f"{storage.describe(info.relative_path)} @ {info.offset}: the record is "
+            f"{'a delta' if header.is_delta else 'stored whole'}, its .metadata descriptor says "
+            f"{'delta' if shard.delta else 'whole'}"
+        )
+        return shard
     if isinstance(md, BytesStorageMetadata):
         shard.original_bytes = header.raw_nbytes
     elif header.raw_nbytes != original or (sizes is not None and list(header.shape) != sizes):

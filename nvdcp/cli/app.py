@@ -121,7 +121,9 @@ def cli(verbose: int) -> None:
 def inspect(path: str, as_json: bool, shards: bool, threads: int, other: str | None, other_opts: tuple[str, ...],
             from_headers: bool, options: tuple[str, ...]) -> None:
     """List every item: dtype, global shape, shards, codec, stored and original bytes, ratio;
-    totals per dtype; the format, torch and nvCOMP versions recorded at save time.
+    totals per dtype; the format, torch and nvCOMP versions recorded at save time. For a delta
+    checkpoint: its base (save id, chain depth, where it is found) and whether each item is
+    stored as a delta against it or whole.
 
     With --diff OTHER: which items changed from PATH_OR_URL to OTHER, by the per-item digests the
     saves recorded (or, for checkpoints saved without them, the CRC32C of each item header).
@@ -243,12 +245,26 @@ def _render_inspection(result: Any, shards: bool) -> None:
     )
     if result.format != "stock":
         lines.append(f"  digests      {result.digests}: {result.digest_note}")
+    base = result.base
+    if base is not None:
+        where = base.found if base.found is not None else "NOT FOUND"
+        lines.append(
+            f"  delta        against save {base.save_id} of {base.location} (chain depth {base.depth}); base: {where}"
+        )
+        lines.append(
+            f"               {total.delta_items} of {total.items} items stored as deltas "
+            f"({human(total.delta_bytes)} of {human(total.stored_bytes)} stored), the rest whole"
+        )
     for line in lines:
         out.print(line, markup=False)
+    if base is not None and base.problem:
+        err.print(f"[yellow]warning:[/] this delta checkpoint cannot be loaded: {escape(base.problem)}", soft_wrap=True)
+    is_delta = base is not None or total.delta_shards > 0
 
     table = Table(title="Items", title_justify="left", show_edge=False, pad_edge=False)
-    for name, justify in [("FQN", "left"), ("dtype", "left"), ("shape", "left"), ("shards", "right"),
-                          ("codec", "left"), ("original", "right"), ("stored", "right"), ("ratio", "right")]:
+    columns = [("FQN", "left"), ("dtype", "left"), ("shape", "left"), ("shards", "right"), ("codec", "left"),
+               *([("as", "left")] if is_delta else []), ("original", "right"), ("stored", "right"), ("ratio", "right")]
+    for name, justify in columns:
         table.add_column(name, justify=justify, no_wrap=name != "FQN", overflow="fold")  # type: ignore[arg-type]
     if shards:
         table.add_column("file@offset", overflow="fold")
@@ -261,6 +277,7 @@ def _render_inspection(result: Any, shards: bool) -> None:
         ratio = item.original_bytes / item.stored_bytes if item.stored_bytes else None
         table.add_row(
             escape(item.fqn), item.dtype or "bytes", _shape(item.shape), shard_cell, ", ".join(codecs),
+            *([item.stored_as] if is_delta else []),
             human(item.original_bytes), human(item.stored_bytes), _ui.fmt_ratio(ratio),
             *([""] if shards else []), style="red" if any(s.error for s in item.shards) else None,
         )
@@ -272,7 +289,7 @@ def _render_inspection(result: Any, shards: bool) -> None:
                 r = s.original_bytes / s.stored_bytes if s.stored_bytes else None
                 table.add_row(
                     f"  - {region}", "", "", "", _codec_cell(s.plane_codecs, s.codec, s.transform),
-                    human(s.original_bytes), human(s.stored_bytes), _ui.fmt_ratio(r),
+                    *(["delta" if s.delta else "full"] if is_delta else []), human(s.original_bytes), human(s.stored_bytes), _ui.fmt_ratio(r),
                     escape(f"{s.file}@{s.file_offset}"), style="dim",
                 )
     out.print()
@@ -302,8 +319,10 @@ def verify(path: str, as_json: bool, checksums_only: bool, threads: int | None, 
            options: tuple[str, ...]) -> None:
     """Check every item: header, every chunk's CRC32C, (unless --checksums-only) a full decode
     compared with .metadata, and its header against the digest the save recorded (checkpoints
-    saved before nvdcp recorded digests skip that, with a note). Exits 0 when intact, 1 with the
-    list of damaged items otherwise."""
+    saved before nvdcp recorded digests skip that, with a note). A delta checkpoint is checked
+    with its whole chain of bases: each delta item against its base item's digest, then each
+    base; a base that is gone or was replaced is damage. Exits 0 when intact, 1 with the list
+    of damaged items otherwise."""
     from nvdcp.dcp.any_metadata import load_any_metadata
     from nvdcp.storage import open_storage
     from nvdcp.verify import verify_checkpoint
@@ -326,28 +345,41 @@ def verify(path: str, as_json: bool, checksums_only: bool, threads: int | None, 
         )
     seconds = time.perf_counter() - started
     if as_json:
-        _ui.print_json({
-            "url": report.url, "ok": report.ok, "items": report.items, "stored_bytes": report.stored_bytes,
-            "raw_bytes": report.raw_bytes, "decoded": not checksums_only, "seconds": round(seconds, 4),
-            "damaged": [vars(d) for d in report.damaged], "checksum_only": report.checksum_only,
-            "digests": report.digests, "digest_note": report.digest_note,
-        })
+        _ui.print_json({**report.as_dict(), "decoded": not checksums_only, "seconds": round(seconds, 4)})
     else:
         what = "headers and chunk checksums" if checksums_only else "headers, chunk checksums and a full decode"
-        if report.digests == "checked":
-            what += ", save digests"
-        if report.ok:
-            out.print(
-                f"[bold green]OK[/] {escape(report.url)}: {report.items} items intact "
-                f"({human(report.stored_bytes)} stored; {what}) in {seconds:.2f}s"
-            )
-        else:
-            out.print(f"[bold red]DAMAGED[/] {escape(report.url)}: {len(report.damaged)} of {report.items} items failed")
-            for d in report.damaged:
-                out.print(f"  {d.item} in {d.file}: {d.kind}: {d.error}", soft_wrap=True, markup=False)
-        if report.checksum_only:
+        for i, one in enumerate([report, *report.chain]):
+            checked = what + (", save digests" if one.digests == "checked" else "")
+            if one.base is not None:
+                checked += ", base digests"
+            label = escape(one.url) if i == 0 else f"base {escape(one.url)}"
+            if not one.damaged:
+                out.print(
+                    f"[bold green]OK[/] {label}: {one.items} items intact "
+                    f"({human(one.stored_bytes)} stored; {checked})"
+                    + (f" in {seconds:.2f}s" if i == 0 and not report.chain else "")
+                )
+            else:
+                base_gone = [d for d in one.damaged if d.item == "(base checkpoint)"]
+                failed = len(one.damaged) - len(base_gone)
+                problems: list[str] = [f"{failed} of {one.items} items failed"] if failed or not base_gone else []
+                problems += ["its base checkpoint is gone or was replaced"] if base_gone else []
+                out.print(f"[bold red]DAMAGED[/] {label}: {'; '.join(problems)}")
+                for d in one.damaged:
+                    out.print(f"  {d.item} in {d.file}: {d.kind}: {d.error}", soft_wrap=True, markup=False)
+            if one.base is not None:
+                out.print(
+                    f"  delta: {one.delta_items} of {one.items} items stored as deltas against "
+                    f"{one.base_found or one.base.location + ' (not found)'} (save {one.base.save_id}, "
+                    f"chain depth {one.base.depth})", soft_wrap=True, markup=False,
+                )
+        if report.chain:
+            verdict = "[bold green]chain OK[/]" if report.ok else "[bold red]chain DAMAGED[/]"
+            out.print(f"{verdict}: {1 + len(report.chain)} checkpoints checked in {seconds:.2f}s")
+        checksum_only = sum(len(one.checksum_only) for one in [report, *report.chain])
+        if checksum_only:
             err.print(
-                f"note: {len(report.checksum_only)} items use a codec without a decoder here "
+                f"note: {checksum_only} items use a codec without a decoder here "
                 "(GPU-only); their checksums were checked, not their decode"
             )
         if report.digests in ("absent", "unsupported"):
@@ -424,8 +456,13 @@ def convert(src: str, dst: str, to: str, codec: str, max_memory: int, threads: i
         return
     r = result.report
     target = "stock DCP" if to == "stock" else f"nvdcp, codec {codec}"
+    materialized = (
+        f"  a delta checkpoint, made standalone: {_plural(result.delta_items, 'item')} rebuilt from its base "
+        f"chain ({result.source_base})\n" if result.source_base is not None else ""
+    )
     out.print(
         f"converted {result.source} ({result.source_format}) -> {result.destination} ({target})\n"
+        + materialized +
         f"  {r.items} items, {human(r.raw_bytes)} original: {human(result.source_stored_bytes)} -> "
         f"{human(r.stored_bytes)} stored (ratio {r.ratio:.3f}) in {_plural(result.files, 'data file')}, "
         f"{r.seconds:.2f}s ({r.raw_bytes / r.seconds / 1e9 if r.seconds else 0:.2f} GB/s)\n"
