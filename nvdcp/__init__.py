@@ -17,6 +17,7 @@ from nvdcp.dcp.writer import NvcompWriter
 from nvdcp.errors import (
     BaseMismatchError,
     CheckpointExistsError,
+    CheckpointInUseError,
     CodecUnavailableError,
     CorruptCheckpointError,
     DeltaBaseError,
@@ -63,6 +64,7 @@ __all__ = [
     "NvdcpError",
     "BaseMismatchError",
     "CheckpointExistsError",
+    "CheckpointInUseError",
     "DeltaBaseError",
     "MissingBaseError",
     "CodecUnavailableError",

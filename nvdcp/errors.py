@@ -79,6 +79,15 @@ class BaseMismatchError(DeltaBaseError, CorruptCheckpointError):
     (another save overwrote it) or one of its items differs from what the delta records."""
 
 
+class CheckpointInUseError(NvdcpError, ValueError):
+    """A checkpoint that other checkpoints are deltas against (directly or down their chain)
+    was to be deleted; :attr:`dependents` are their paths."""
+
+    def __init__(self, message: str, dependents: list[str]) -> None:
+        super().__init__(message)
+        self.dependents = dependents
+
+
 class BucketNotFoundError(StorageError):
     """The bucket (or container) named in a storage URL does not exist.
 

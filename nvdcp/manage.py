@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nvdcp.dcp.metadata_io import METADATA_NAME
-from nvdcp.errors import NvdcpError
+from nvdcp.errors import CheckpointInUseError, NvdcpError
 from nvdcp.format.delta import BaseRef, base_candidates, read_delta, same_location
 
 logger = logging.getLogger(__name__)
@@ -62,15 +62,6 @@ class CheckpointInfo:
     path: str
     complete: bool
     base: str | None = None
-
-
-class CheckpointInUseError(NvdcpError, ValueError):
-    """A checkpoint that other checkpoints are deltas against (directly or down their chain)
-    was to be deleted; :attr:`dependents` are their paths."""
-
-    def __init__(self, message: str, dependents: list[str]) -> None:
-        super().__init__(message)
-        self.dependents = dependents
 
 
 def checkpoint_path(root: str | os.PathLike[str], step: int) -> str:
