@@ -90,10 +90,12 @@ def pinned_peak(*owners: Any) -> int:
     return sum(p.peak for p in pools.values())
 
 
-def write_results(name: str, payload: dict[str, Any], out_dir: str | os.PathLike[str] | None = None) -> Path:
+def write_results(name: str, payload: dict[str, Any], out_dir: str | os.PathLike[str] | None = None,
+                  suffix: str = "") -> Path:
+    """Write ``<out_dir>/<name>_<date><suffix>.json`` with the date, machine and command line."""
     day = datetime.date.today().isoformat()
     payload = {"date": day, "machine": machine(), "command": command_line(), **payload}
-    target = Path(out_dir or RESULTS) / f"{name}_{day}.json"
+    target = Path(out_dir or RESULTS) / f"{name}_{day}{suffix}.json"
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(payload, indent=1, default=str) + "\n")
     return target

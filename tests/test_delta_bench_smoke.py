@@ -1,0 +1,49 @@
+"""benchmarks/delta_bench.py at a tiny size: every writer and chain runs, loads are bit-exact, the
+tables, targets and JSON come out. Nothing here depends on timings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import delta_bench
+
+
+def test_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    target = delta_bench.main([
+        "--device", "cpu", "--small", "--intervals", "2,10", "--checkpoints", "4", "--keep", "3", "--ks", "2,3",
+        "--warm-steps", "2", "--stock-saves", "2", "--verify-all", "--root", str(tmp_path / "ckpt"),
+        "--out", str(tmp_path), "--suffix", "_smoke",
+    ])
+    out = capsys.readouterr().out
+    assert "Issue 15 targets" in out and "all timed loads bit-exact: True" in out
+    assert target.name.startswith("delta_bench_") and target.name.endswith("_smoke.json")
+    payload = json.loads(target.read_text())
+    assert {"date", "machine", "command"} <= payload.keys()
+    assert payload["all_bit_exact"] and payload["workload"]["steps"] == 2 + 10 * 3
+    assert [(c["variant"], c["interval"]) for c in payload["combos"]] == [
+        ("fp32_adamw", 2), ("fp32_adamw", 10), ("bf16_weights", 2), ("bf16_weights", 10)]
+    for combo in payload["combos"]:
+        rows = {r["writer"]: r for r in combo["rows"]}
+        assert rows.keys() == {"stock", "nvdcp", "delta K=2", "delta K=3"}
+        assert rows["stock"]["saves"] == 2 and rows["nvdcp"]["saves"] == 4
+        # K=2: whole, delta, whole, delta; K=3: whole, delta, delta, whole
+        assert (rows["delta K=2"]["whole"], rows["delta K=2"]["deltas"]) == (2, 2)
+        assert (rows["delta K=3"]["whole"], rows["delta K=3"]["deltas"]) == (2, 2)
+        chains = {c["writer"]: c for c in combo["chains"]}
+        assert [c["depth"] for c in chains["delta K=3"]["checkpoints"]] == [0, 1, 2, 0]
+        # keeping the last 3 of K=3 keeps the whole save its first kept delta needs
+        assert rows["delta K=3"]["last3_kept"] == 4 and rows["nvdcp"]["last3_kept"] == 3
+        assert rows["delta K=3"]["deep_depth"] == 2
+        for row in rows.values():
+            assert row["bit_exact"] and row["ratio_all"] > 0
+        for chain in combo["chains"]:
+            assert all(ld["bit_exact"] for ld in chain["loads"])
+        assert rows["delta K=2"]["cache_MiB"] > 0  # the policy kept the last save on the host
+    # issue 15's ratio targets exist for interval 10 only; save and load targets for every chain
+    ratio_checks = [t for t in payload["targets"] if t["target"].startswith("ratio_")]
+    assert ratio_checks and {t["interval"] for t in ratio_checks} == {10}
+    assert {t["interval"] for t in payload["targets"] if "save" in t["target"]} == {2, 10}
+    assert not (tmp_path / "ckpt" / "fp32_adamw_every2").exists()  # chains are removed once measured
