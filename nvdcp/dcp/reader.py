@@ -84,6 +84,7 @@ from nvdcp.pipeline.cpu import (
     decode_blocks,
     decode_item,
     describe_chunk,
+    verify_chunks,
 )
 from nvdcp.pipeline.tensors import tensor_nbytes
 from nvdcp.report import Report
@@ -306,40 +307,61 @@ class NvcompReader(StorageReader):
             f"is there (looked at {tried}); restore that checkpoint to load this one"
         )
 
-    def item_raw(self, index: MetadataIndex, report: Report | None = None) -> tuple[ItemHeader, np.ndarray]:
-        """Fetch, verify and decode one nvdcp item into its raw bytes (host memory), a delta
-        resolved against its base chain. Everything is checked (this record's and each base
-        record's chunk CRC32Cs, each base item's digest against the one the delta records)
-        before the bytes are returned: nothing reaches a destination from a bad chain.
+    def item_raw(self, index: MetadataIndex, report: Report | None = None, out: np.ndarray | None = None,
+                 ) -> tuple[ItemHeader, np.ndarray]:
+        """Fetch, verify and decode one nvdcp item into its raw bytes (host memory: ``out`` when
+        given, a flat uint8 array of the item's size, e.g. its destination tensor's memory), a
+        delta resolved against its base chain.
+
+        Every record of the chain is fetched and checked first (header, every chunk's CRC32C,
+        each base item's digest against the one its delta records, dtype and shape against
+        ``.metadata``); only then is the chain's full record decoded into ``out`` and each delta
+        XORed in, nearest base first. A bad chain raises with ``out`` untouched.
 
         Raises:
-            BaseMismatchError: the base holds no such item, or another one than the delta's.
+            BaseMismatchError: a base holds no such item, or another one than its delta's.
             CorruptCheckpointError: a damaged record (file, item and chunk named).
         """
-        name, offset, length = self.record_of(index)
-        where = self.where(index)
         t0 = time.perf_counter()
-        with _naming_item(where):
-            record = memoryview(self.storage.read_range(name, offset, length))
+        chain = self._chain_records(index)
         t1 = time.perf_counter()
-        dtype, shape = self._expected(index)
-        element_size = _element_size(dtype)
-        header = parse_item_header(record, where)
-        base_raw = self._base_item(index, header, where) if header.is_delta else None
-        header, raw = decode_item(record, where, self._codec_pool(), element_size)
-        self._check_against_metadata(header, dtype, shape, element_size, where, descriptor.is_delta(self._record(index)))
-        if base_raw is not None:
-            np.bitwise_xor(raw, base_raw, out=raw)
+        header = chain[0][2]
+        if out is not None and out.size != header.raw_nbytes:
+            raise CorruptCheckpointError(f"{chain[0][3]}: {header.raw_nbytes} stored bytes for a {out.size}-byte destination")
+        pool = self._codec_pool()
+        _, record, root, where = chain[-1]
+        _, out = decode_item(record, where, pool, root.n_planes if root.transform else 1, out, crcs_checked=True)
+        for _, record, level, where in reversed(chain[:-1]):
+            _, delta = decode_item(record, where, pool, level.n_planes if level.transform else 1, crcs_checked=True)
+            np.bitwise_xor(out, delta, out=out)
         if report is not None:
-            report.add(header.raw_nbytes, length, read_s=t1 - t0, decode_s=time.perf_counter() - t1)
-        return header, raw
+            stored = sum(len(record) for _, record, _, _ in chain)
+            report.add(header.raw_nbytes, stored, read_s=t1 - t0, decode_s=time.perf_counter() - t1)
+        return header, out
 
-    def _base_item(self, index: MetadataIndex, header: ItemHeader, where: str) -> np.ndarray:
-        """The raw bytes of the base item a delta record ``header`` was saved against."""
-        base = self._checked_base(index, where)
-        base_header, base_raw = base.item_raw(index)
-        self._check_base_digest(base, index, header, base_header, where)
-        return base_raw
+    def _chain_records(self, index: MetadataIndex) -> list[tuple[NvcompReader, memoryview, ItemHeader, str]]:
+        """``index``'s record in this checkpoint and in each base it needs, nearest first, all
+        checked (see :meth:`item_raw`): ``(reader, record, header, where)`` per level."""
+        levels: list[tuple[NvcompReader, memoryview, ItemHeader, str]] = []
+        reader = self
+        while True:
+            name, offset, length = reader.record_of(index)
+            where = reader.where(index)
+            with _naming_item(where):
+                record = memoryview(reader.storage.read_range(name, offset, length))
+            header = verify_chunks(record, where)
+            dtype, shape = reader._expected(index)
+            element_size = _element_size(dtype)
+            check_decodable(header, element_size, where)
+            delta = descriptor.is_delta(reader._record(index))
+            reader._check_against_metadata(header, dtype, shape, element_size, where, delta)
+            if levels:
+                above, _, above_header, above_where = levels[-1]
+                above._check_base_digest(reader, index, above_header, header, above_where)
+            levels.append((reader, record, header, where))
+            if not header.is_delta:
+                return levels
+            reader = reader._checked_base(index, where)
 
     def _checked_base(self, index: MetadataIndex, where: str) -> NvcompReader:
         base = self.base
@@ -378,16 +400,35 @@ class NvcompReader(StorageReader):
         return header, raw
 
     def _load_deltas(self, indexes: list[MetadataIndex], devices: dict[MetadataIndex, torch.device | None],
-                     report: Report) -> Iterator[tuple[MetadataIndex, ItemHeader, Any]]:
+                     report: Report, by_item: dict[MetadataIndex, list[ReadItem]], planner: LoadPlanner,
+                     ) -> Iterator[tuple[MetadataIndex, ItemHeader, Any]]:
         """Delta items, each rebuilt from its chain on the I/O threads (on its decode device's
-        GPU when it has one, :meth:`item_raw_on`; else :meth:`item_raw`)."""
+        GPU when it has one, :meth:`item_raw_on`; else :meth:`item_raw`, straight into the
+        destination when one request wants the whole item in a dense CPU tensor)."""
         if not indexes:
             return
+        # destinations resolved here, on the calling thread (see _fetch_and_decode)
+        targets: dict[MetadataIndex, tuple[torch.Tensor, np.ndarray]] = {}
+        for index in indexes:
+            reqs = by_item[index]
+            if devices.get(index) is not None or len(reqs) != 1 or reqs[0].type != LoadItemType.TENSOR:
+                continue
+            dtype, shape = self._expected(index)
+            if shape is None or any(reqs[0].storage_offsets) or tuple(reqs[0].lengths) != shape:
+                continue
+            target = planner.resolve_tensor(reqs[0]).detach()
+            flat = _flat_destination(target, dtype, shape)
+            if flat is not None:
+                targets[index] = (target, flat)
 
         def rebuild(index: MetadataIndex) -> tuple[ItemHeader, Any]:
             device = devices.get(index)
             if device is not None:
                 return self.item_raw_on(index, device, report)
+            found = targets.get(index)
+            if found is not None:
+                header, _ = self.item_raw(index, report, found[1])
+                return header, _InPlace(found[0])
             return self.item_raw(index, report)
 
         threads = min(self.thread_count, self.gpu_threads) if any(devices.values()) else self.thread_count
@@ -439,7 +480,8 @@ class NvcompReader(StorageReader):
 
         loads = itertools.chain(
             self._load_deltas(
-                sorted(deltas, key=lambda ix: (records[ix].relative_path, records[ix].offset)), devices, report
+                sorted(deltas, key=lambda ix: (records[ix].relative_path, records[ix].offset)), devices, report,
+                by_item, planner,
             ),
             self._fetch_and_decode(order, devices, stock, report, destination, cpu=_CpuPlan(by_item, records, planner)),
         )

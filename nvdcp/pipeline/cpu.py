@@ -458,12 +458,14 @@ def verify_chunks(record: memoryview, where: str) -> ItemHeader:
 
 
 def decode_item(
-    record: memoryview, where: str, pool: Executor | None, element_size: int = 1, out: np.ndarray | None = None
+    record: memoryview, where: str, pool: Executor | None, element_size: int = 1, out: np.ndarray | None = None,
+    crcs_checked: bool = False,
 ) -> tuple[ItemHeader, np.ndarray]:
     """Verify and decode one stored item record; returns its header and raw bytes (flat uint8:
     ``out`` when given, which must hold exactly the item's raw bytes).
 
-    Every chunk's CRC32C is checked (in one batched call) before any bytes reach a decoder.
+    Every chunk's CRC32C is checked (in one batched call) before any bytes reach a decoder
+    (``crcs_checked``: the caller did, with :func:`verify_chunks`).
     """
     header = parse_item_header(record, where)
     check_decodable(header, element_size, where)
@@ -476,7 +478,8 @@ def decode_item(
     buf = np.frombuffer(record, dtype=np.uint8)
     sizes, crcs = chunk_table(record, header)
     starts = chunk_starts(sizes, header.header_bytes)
-    check_crcs(buf, starts, sizes, crcs, lambda i: describe_chunk(where, i, header.n_planes))
+    if not crcs_checked:
+        check_crcs(buf, starts, sizes, crcs, lambda i: describe_chunk(where, i, header.n_planes))
     spans = _block_spans(header)
     args = (header, buf, starts.tolist(), sizes.tolist(), out)
     if pool is None or len(spans) < 2:
