@@ -42,6 +42,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_FULL_EVERY = 8
 #: Default chain bound for a writer given ``base=`` without a policy.
 DEFAULT_MAX_CHAIN = 16
+#: An item whose delta did not pay is stored whole, without trying, for this many saves: AdamW's
+#: exp_avg never pays (1.17x either way), and trying it cost a second encode every save.
+RETRY_AFTER = 3
 #: Pinned arenas of the cache are carved from blocks of at least this size.
 ARENA_BYTES = 256 << 20
 
@@ -188,6 +191,7 @@ class CacheEntry:
     save_id: str | None = None  # the save these bytes are from (None: being rewritten, or failed)
     digest: int = 0  # that save's record digest of the item
     whole_nbytes: int | None = None  # the item's record size when last stored whole
+    skip: int = 0  # saves left that store the item whole without trying a delta (it did not pay)
 
 
 class BaseCache:
@@ -264,6 +268,7 @@ class DeltaSave:
     pin: bool = False
     _base_reader: Any = None
     _touched: list[CacheEntry] = field(default_factory=list)
+    _attempted: set[MetadataIndex] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def prepare(self, index: MetadataIndex, tensor: torch.Tensor) -> DeltaTensor | torch.Tensor:
@@ -273,6 +278,10 @@ class DeltaSave:
         if nbytes == 0:
             return tensor
         hit = self.cache.lookup(index, self.ref.save_id, dtype, shape) if self.cache and self.ref else None
+        if hit is not None and hit.skip > 0:
+            hit.skip -= 1  # its delta did not pay lately: stored whole, its bytes still kept
+            keep = self.cache.slot(index, nbytes, dtype, shape, self.pin) if self.cache is not None else None
+            return self._keep_only(tensor, keep)
         base = hit.data if hit is not None else None
         digest = hit.digest if hit is not None else None
         whole = hit.whole_nbytes if hit is not None else None
@@ -288,10 +297,21 @@ class DeltaSave:
                 base = keep.data
         if base is None and keep is None:
             return tensor
+        if base is not None:
+            with self._lock:
+                self._attempted.add(index)
         if keep is not None and hit is None:
             keep.whole_nbytes = whole
         on_whole = None if keep is None else functools.partial(setattr, keep, "whole_nbytes")
         return DeltaTensor(tensor, DeltaInput(base, digest, keep.data if keep else None, whole, self.min_gain, on_whole))
+
+    def _keep_only(self, tensor: torch.Tensor, keep: CacheEntry | None) -> DeltaTensor | torch.Tensor:
+        if keep is None:
+            return tensor
+        keep.save_id = None
+        with self._lock:
+            self._touched.append(keep)
+        return DeltaTensor(tensor, DeltaInput(None, None, keep.data, keep.whole_nbytes, self.min_gain))
 
     def _read_base(self, index: MetadataIndex, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[torch.Tensor | None, int | None, int | None]:
         """The base item read back from storage (its chain resolved): bytes, digest, whole size."""
@@ -328,6 +348,8 @@ class DeltaSave:
             entry.digest = digest
             if whole_nbytes is not None:
                 entry.whole_nbytes = whole_nbytes
+                if index in self._attempted:
+                    entry.skip = RETRY_AFTER  # the delta was tried and did not pay
 
     def finish(self, ok: bool) -> None:
         """The rank's items are all written (``ok``) or the save failed: stamp or drop the kept bytes."""

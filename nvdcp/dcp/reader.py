@@ -363,13 +363,17 @@ class NvcompReader(StorageReader):
                 return levels
             reader = reader._checked_base(index, where)
 
+    def _require_item(self, index: MetadataIndex, where: str) -> None:
+        """A base must hold the item its delta was saved against."""
+        assert self.metadata is not None
+        if index not in self.metadata.storage_data:
+            raise BaseMismatchError(f"{where}: its base {self.storage.url} holds no item {describe_index(index)}")
+
     def _checked_base(self, index: MetadataIndex, where: str) -> NvcompReader:
         base = self.base
         if base is None:
             raise CorruptCheckpointError(f"{where}: a delta item, but .metadata names no base checkpoint")
-        assert base.metadata is not None
-        if index not in base.metadata.storage_data:
-            raise BaseMismatchError(f"{where}: its base {base.storage.url} holds no item {describe_index(index)}")
+        base._require_item(index, where)
         return base
 
     @staticmethod
@@ -381,29 +385,11 @@ class NvcompReader(StorageReader):
                 f"{base.where(index)} has digest {digest_of_header(base_header):#010x}: not the base of this delta"
             )
 
-    def item_raw_on(self, index: MetadataIndex, device: torch.device, report: Report | None = None,
-                    ) -> tuple[ItemHeader, torch.Tensor]:
-        """:meth:`item_raw` decoded on a GPU: each record of the chain is checked and decoded by
-        the GPU path, the XORs run on ``device``; returns a flat uint8 CUDA tensor."""
-        report = report or Report("load", self.storage.url)
-        name, offset, length = self.record_of(index)
-        where = self.where(index)
-        header = self._read_header(name, offset, length, where)
-        base_raw = None
-        if header.is_delta:
-            base = self._checked_base(index, where)
-            base_header, base_raw = base.item_raw_on(index, device)
-            self._check_base_digest(base, index, header, base_header, where)
-        ((_, header, raw),) = self._load_gpu_batch([index], device, report)
-        if base_raw is not None:
-            raw.bitwise_xor_(base_raw)
-        return header, raw
-
     def _load_deltas(self, indexes: list[MetadataIndex], devices: dict[MetadataIndex, torch.device | None],
                      report: Report, by_item: dict[MetadataIndex, list[ReadItem]], planner: LoadPlanner,
                      ) -> Iterator[tuple[MetadataIndex, ItemHeader, Any]]:
         """Delta items, each rebuilt from its chain on the I/O threads (on its decode device's
-        GPU when it has one, :meth:`item_raw_on`; else :meth:`item_raw`, straight into the
+        GPU in batches when it has one, :meth:`_load_delta_batch_gpu`; else :meth:`item_raw`, straight into the
         destination when one request wants the whole item in a dense CPU tensor)."""
         if not indexes:
             return
@@ -421,20 +407,69 @@ class NvcompReader(StorageReader):
             if flat is not None:
                 targets[index] = (target, flat)
 
-        def rebuild(index: MetadataIndex) -> tuple[ItemHeader, Any]:
-            device = devices.get(index)
-            if device is not None:
-                return self.item_raw_on(index, device, report)
+        def rebuild(index: MetadataIndex) -> list[tuple[MetadataIndex, ItemHeader, Any]]:
             found = targets.get(index)
             if found is not None:
                 header, _ = self.item_raw(index, report, found[1])
-                return header, _InPlace(found[0])
-            return self.item_raw(index, report)
+                return [(index, header, _InPlace(found[0]))]
+            return [(index, *self.item_raw(index, report))]
 
-        threads = min(self.thread_count, self.gpu_threads) if any(devices.values()) else self.thread_count
-        with ThreadPoolExecutor(threads, thread_name_prefix="nvdcp-delta") as pool:
-            for index, (header, raw) in zip(indexes, pool.map(rebuild, indexes)):
-                yield index, header, raw
+        gpu_slots = threading.BoundedSemaphore(self.gpu_threads)
+        with ThreadPoolExecutor(self.thread_count, thread_name_prefix="nvdcp-delta") as pool:
+            futures = [pool.submit(rebuild, ix) for ix in indexes if devices.get(ix) is None]
+            for device, batch in self._delta_batches([ix for ix in indexes if devices.get(ix) is not None], devices):
+                futures.append(pool.submit(_holding, gpu_slots, self._load_delta_batch_gpu, batch, device, report))
+            for fut in futures:
+                yield from fut.result()
+
+    def _delta_batches(self, indexes: list[MetadataIndex], devices: dict[MetadataIndex, torch.device | None],
+                       ) -> list[tuple[torch.device, list[MetadataIndex]]]:
+        """GPU-decoded delta items in batches of at most a quarter of a thread's GPU budget of
+        stored bytes (a batch holds each item twice on the device: its rebuilt bytes and one
+        level's), and at most ``MAX_GPU_BATCH_ITEMS`` items."""
+        batches: list[tuple[torch.device, list[MetadataIndex]]] = []
+        open_: dict[torch.device, tuple[list[MetadataIndex], int]] = {}
+        for index in indexes:
+            device = devices[index]
+            assert device is not None
+            limit = self.gpu.gpu_budget(device) // (4 * self.gpu_threads)
+            size = self._expected_nbytes(index)
+            items, total = open_.get(device, ([], 0))
+            if items and (total + size > limit or len(items) >= MAX_GPU_BATCH_ITEMS):
+                batches.append((device, items))
+                items, total = [], 0
+            open_[device] = ([*items, index], total + size)
+        return batches + [(device, items) for device, (items, _) in open_.items() if items]
+
+    def _expected_nbytes(self, index: MetadataIndex) -> int:
+        dtype, shape = self._expected(index)
+        return tensor_nbytes(shape, dtype) if dtype is not None and shape is not None else self._record(index).length
+
+    def _load_delta_batch_gpu(self, indexes: list[MetadataIndex], device: torch.device, report: Report,
+                              ) -> list[tuple[MetadataIndex, ItemHeader, Any]]:
+        """Rebuild a batch of delta items on ``device``: each level of the chain is decoded by the
+        GPU batch path (one batch per level, into fresh device memory, never the destinations),
+        its items' digests checked against what the level above records, and XORed into the
+        top level's bytes; the destinations are written only by the commit after all of it."""
+        rebuilt: dict[MetadataIndex, tuple[ItemHeader, torch.Tensor]] = {}
+        expected: dict[MetadataIndex, tuple[ItemHeader, str]] = {}  # a delta's header: its base is next
+        reader, pending = self, list(indexes)
+        while pending:
+            for index, header, raw in reader._load_gpu_batch(pending, device, report):
+                if index in expected:
+                    above, where = expected.pop(index)
+                    self._check_base_digest(reader, index, above, header, where)
+                    rebuilt[index][1].bitwise_xor_(raw)
+                else:
+                    rebuilt[index] = (header, raw)
+                if header.is_delta:
+                    expected[index] = (header, reader.where(index))
+            pending = [ix for ix in pending if ix in expected]
+            if pending:
+                reader = reader._checked_base(pending[0], expected[pending[0]][1])
+                for index in pending[1:]:
+                    reader._require_item(index, expected[index][1])
+        return [(index, *rebuilt[index]) for index in indexes]
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -686,7 +721,7 @@ class NvcompReader(StorageReader):
             element_size = _element_size(dtype)
             if header.transform and header.n_planes != element_size:
                 raise CorruptCheckpointError(f"{where}: {header.n_planes} byte planes for {element_size}-byte elements")
-            # a v2 record only where .metadata says delta (item_raw_on XORs it with its base)
+            # a v2 record only where .metadata says delta (_load_delta_batch_gpu XORs it with its base)
             delta = header.is_delta and descriptor.is_delta(self._record(index))
             self._check_against_metadata(header, dtype, shape, element_size, where, delta)  # type: ignore[arg-type]
             found = targets[i] if targets is not None else None

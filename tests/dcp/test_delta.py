@@ -616,3 +616,35 @@ def test_identical_delta_save_is_refused_as_stale(tmp_path: Path) -> None:
     err = _save_error(sd, tmp_path / "s1", delta=policy, on_identical_save="error")  # same weights again
     assert isinstance(err, nvdcp.StaleSaveError), err
     assert not (tmp_path / "s1" / ".metadata").exists()
+
+
+def test_item_whose_delta_did_not_pay_is_stored_whole_without_trying_for_a_while(tmp_path: Path) -> None:
+    """An item whose delta lost (fresh values each save) is stored whole at the next saves
+    without a delta attempt (no second encode), then tried again; everything loads bit-exact."""
+    policy = nvdcp.DeltaPolicy(full_every=16)
+    sd = {"w": weights_like((256, 300), seed=1), "r": random_tensor(torch.float32, (20_000,), seed=2)}
+    attempted: list[set[str]] = []
+    original = DeltaSave.finish
+
+    def spy(self: DeltaSave, ok: bool) -> None:
+        attempted.append({ix.fqn for ix in self._attempted})
+        original(self, ok)
+
+    DeltaSave.finish = spy  # type: ignore[method-assign]
+    try:
+        saved = []
+        for i in range(6):
+            save(sd, tmp_path / f"s{i}", delta=policy)
+            saved.append(_snapshot(sd))
+            sd["w"] = sd["w"] + 1e-4 * weights_like((256, 300), seed=10 + i)
+            sd["r"] = random_tensor(torch.float32, (20_000,), seed=20 + i)
+    finally:
+        DeltaSave.finish = original  # type: ignore[method-assign]
+    assert attempted[0] == set()  # a full save tries nothing
+    assert attempted[1] == {"w", "r"}  # both tried; r lost
+    assert attempted[2] == attempted[3] == attempted[4] == {"w"}  # r skipped for RETRY_AFTER saves
+    assert attempted[5] == {"w", "r"}  # then tried again
+    for i in range(1, 6):
+        assert _delta_fqns(tmp_path / f"s{i}") == {"w"}
+    for i, want in enumerate(saved):
+        _load_check(tmp_path / f"s{i}", want)
