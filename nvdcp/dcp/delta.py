@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from nvdcp.dcp.metadata_io import load_metadata
 from nvdcp.dcp.stock_items import is_nvdcp_record
 from nvdcp.errors import IncompleteCheckpointError, MissingBaseError, NvdcpError
-from nvdcp.format.delta import BaseRef, read_delta, relative_location, same_location
+from nvdcp.format.delta import BaseRef, base_candidates, read_delta, relative_location, same_location
 from nvdcp.format.digest import DIGEST_ATTR, digest_of_header
 from nvdcp.pipeline.delta import DEFAULT_MIN_GAIN, DeltaInput, DeltaTensor
 from nvdcp.storage import open_storage
@@ -83,6 +83,11 @@ class DeltaPolicy:
             them (slower, never wrong). 0 keeps nothing.
         min_gain: keep a delta only when it is at least this fraction smaller than the item
             stored whole (as the writer last measured that item); otherwise store it whole.
+        against: ``"previous"`` (default): each delta is against the save before it, a chain of
+            up to ``full_every - 1`` deltas (smallest deltas; a load reads the chain back to the
+            full save). ``"full"``: each delta is against the last full save (a load reads two
+            checkpoints at most; the deltas grow as the state drifts from that save). The cache
+            then holds the full save's bytes, written once per full save.
 
     The policy remembers the last save it committed; :meth:`resume_from` sets it to a checkpoint
     on storage (a resumed job's next save deltas against the checkpoint it resumed from).
@@ -91,7 +96,9 @@ class DeltaPolicy:
     """
 
     def __init__(self, full_every: int = DEFAULT_FULL_EVERY, max_chain: int | None = None,
-                 cache_bytes: int | None = None, min_gain: float = DEFAULT_MIN_GAIN) -> None:
+                 cache_bytes: int | None = None, min_gain: float = DEFAULT_MIN_GAIN, against: str = "previous") -> None:
+        if against not in AGAINST:
+            raise ValueError(f"against must be one of {AGAINST}, got {against!r}")
         if full_every < 1:
             raise ValueError(f"full_every must be >= 1, got {full_every}")
         if max_chain is not None and max_chain < 0:
@@ -104,7 +111,10 @@ class DeltaPolicy:
         self.max_chain = full_every - 1 if max_chain is None else max_chain
         self.min_gain = min_gain
         self.cache = BaseCache(default_cache_bytes() if cache_bytes is None else cache_bytes)
+        self.against = against
         self._last: SaveRef | None = None
+        self._full: SaveRef | None = None  # the last save stored whole (the base when against="full")
+        self._since_full = 0  # saves committed since it
         self._lock = threading.Lock()
 
     @property
@@ -115,13 +125,26 @@ class DeltaPolicy:
     def next_base(self) -> str | None:
         """Where the next save's base is, or None when it is to be saved whole."""
         last = self._last
-        if last is None or last.depth + 1 > self.max_chain or last.depth + 1 >= self.full_every:
+        if last is None or self._since_full + 1 >= self.full_every:
+            return None
+        if self.against == "full":
+            return self._full.location if self._full is not None and self.max_chain >= 1 else None
+        if last.depth + 1 > self.max_chain:
             return None
         return last.location
+
+    @property
+    def keeps_every_save(self) -> bool:
+        """Whether each save's bytes replace the cache's (else only whole saves' do)."""
+        return self.against == "previous"
 
     def committed(self, save: SaveRef) -> None:
         with self._lock:
             self._last = save
+            if save.depth == 0:
+                self._full, self._since_full = save, 0
+            else:
+                self._since_full += 1
 
     def resume_from(self, location: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> None:
         """Make the checkpoint at ``location`` the base of the next save (after a restart).
@@ -132,13 +155,44 @@ class DeltaPolicy:
         location = os.fspath(location)
         metadata = load_metadata(open_storage(location, **(storage_options or {})))
         ref = read_delta(metadata, location)
-        self.committed(SaveRef(location, _save_id(metadata), ref.depth if ref else 0, _digests_crc(metadata)))
+        save = SaveRef(location, _save_id(metadata), ref.depth if ref else 0, _digests_crc(metadata))
+        with self._lock:
+            self._last = save
+            self._since_full = save.depth  # as far as the chain tells (exact for against="previous")
+            self._full = save if ref is None else None
+            if ref is not None and self.against == "full":
+                self._full = _find_full(location, ref, storage_options or {})
 
     def forget(self) -> None:
         """Forget the last save and free the cache: the next save is saved whole."""
         with self._lock:
-            self._last = None
+            self._last = self._full = None
+            self._since_full = 0
         self.cache.clear()
+
+
+#: ``DeltaPolicy(against=...)``: what each delta is saved against.
+AGAINST = ("previous", "full")
+
+
+def _find_full(location: str, ref: BaseRef, storage_options: dict[str, Any]) -> SaveRef | None:
+    """The checkpoint saved whole at the bottom of ``location``'s chain (None: not found)."""
+    for _ in range(ref.depth):
+        for candidate in base_candidates(location, ref):
+            try:
+                metadata = load_metadata(open_storage(candidate, **storage_options))
+            except IncompleteCheckpointError:
+                continue
+            if _save_id(metadata) != ref.save_id:
+                continue
+            below = read_delta(metadata, candidate)
+            if below is None:
+                return SaveRef(candidate, ref.save_id, 0, _digests_crc(metadata))
+            location, ref = candidate, below
+            break
+        else:
+            return None
+    return None
 
 
 def _save_id(metadata: Metadata) -> str:
@@ -266,6 +320,8 @@ class DeltaSave:
     storage_options: dict[str, Any]
     min_gain: float = DEFAULT_MIN_GAIN
     pin: bool = False
+    #: this save's bytes go into the cache (False: a delta against the full save, whose bytes stay)
+    keep_bytes: bool = True
     _base_reader: Any = None
     _touched: list[CacheEntry] = field(default_factory=list)
     _attempted: set[MetadataIndex] = field(default_factory=set)
@@ -278,14 +334,15 @@ class DeltaSave:
         if nbytes == 0:
             return tensor
         hit = self.cache.lookup(index, self.ref.save_id, dtype, shape) if self.cache and self.ref else None
+        slot = self.cache is not None and self.keep_bytes
         if hit is not None and hit.skip > 0:
             hit.skip -= 1  # its delta did not pay lately: stored whole, its bytes still kept
-            keep = self.cache.slot(index, nbytes, dtype, shape, self.pin) if self.cache is not None else None
+            keep = self.cache.slot(index, nbytes, dtype, shape, self.pin) if slot and self.cache else None
             return self._keep_only(tensor, keep)
         base = hit.data if hit is not None else None
         digest = hit.digest if hit is not None else None
         whole = hit.whole_nbytes if hit is not None else None
-        keep = self.cache.slot(index, nbytes, dtype, shape, self.pin) if self.cache is not None else None
+        keep = self.cache.slot(index, nbytes, dtype, shape, self.pin) if slot and self.cache else None
         if keep is not None:
             keep.save_id = None  # being rewritten by this save
             with self._lock:
@@ -344,12 +401,14 @@ class DeltaSave:
         if self.cache is None:
             return
         entry = self.cache.entries.get(index)
-        if entry is not None and entry.save_id is None:
+        if entry is None:
+            return
+        if whole_nbytes is not None and index in self._attempted:
+            entry.skip = RETRY_AFTER  # the delta was tried and did not pay
+        if entry.save_id is None:  # its bytes are this save's
             entry.digest = digest
             if whole_nbytes is not None:
                 entry.whole_nbytes = whole_nbytes
-                if index in self._attempted:
-                    entry.skip = RETRY_AFTER  # the delta was tried and did not pay
 
     def finish(self, ok: bool) -> None:
         """The rank's items are all written (``ok``) or the save failed: stamp or drop the kept bytes."""

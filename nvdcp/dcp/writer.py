@@ -386,10 +386,11 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
         cache = self.delta.cache if self.delta is not None and self.delta.cache.budget > 0 else None
         if prefix.base is None and cache is None:
             return None
+        keep_bytes = self.delta is not None and (self.delta.keeps_every_save or prefix.base is None)
         return DeltaSave(
-            prefix.base, prefix.save_id or self.save_id, cache, self.storage_options,
-            self.delta.min_gain if self.delta is not None else DEFAULT_MIN_GAIN,
-            pin=torch.cuda.is_available() and gpu_available(),
+            prefix.base, prefix.save_id or self.save_id, cache if keep_bytes or prefix.base else None,
+            self.storage_options, self.delta.min_gain if self.delta is not None else DEFAULT_MIN_GAIN,
+            pin=torch.cuda.is_available() and gpu_available(), keep_bytes=keep_bytes,
         )
 
     _delta_save: DeltaSave | None = None

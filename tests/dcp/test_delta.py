@@ -648,3 +648,50 @@ def test_item_whose_delta_did_not_pay_is_stored_whole_without_trying_for_a_while
         assert _delta_fqns(tmp_path / f"s{i}") == {"w"}
     for i, want in enumerate(saved):
         _load_check(tmp_path / f"s{i}", want)
+
+
+def test_deltas_against_the_full_save_keep_every_load_to_two_checkpoints(tmp_path: Path) -> None:
+    """against="full": every delta names the last full save (depth 1), the cache keeps that
+    save's bytes (no base is read back from storage), and the chain restarts every full_every."""
+    policy = nvdcp.DeltaPolicy(full_every=4, against="full")
+    sd = {"w": weights_like((256, 300), seed=1), "b": weights_like((4096,), torch.bfloat16, seed=2)}
+    reads = 0
+    original = DeltaSave._read_base
+
+    def counting(self: DeltaSave, *args: Any) -> Any:
+        nonlocal reads
+        reads += 1
+        return original(self, *args)
+
+    DeltaSave._read_base = counting  # type: ignore[method-assign]
+    saved = []
+    try:
+        for i in range(6):
+            save(sd, tmp_path / f"s{i}", delta=policy)
+            saved.append(_snapshot(sd))
+            sd["w"] = sd["w"] + 1e-4 * weights_like((256, 300), seed=10 + i)
+            sd["b"] = sd["b"] + (1e-3 * weights_like((4096,), seed=20 + i)).to(torch.bfloat16)
+    finally:
+        DeltaSave._read_base = original  # type: ignore[method-assign]
+    assert reads == 0
+    assert [_depth(tmp_path / f"s{i}") for i in range(6)] == [0, 1, 1, 1, 0, 1]
+    bases = [(_record(tmp_path / f"s{i}") or {}).get("relative") for i in range(6)]
+    assert bases == [None, "../s0", "../s0", "../s0", None, "../s4"]
+    for i, want in enumerate(saved):
+        _load_check(tmp_path / f"s{i}", want)
+    with pytest.raises(ValueError, match="against"):
+        nvdcp.DeltaPolicy(against="sideways")
+
+
+def test_resume_from_a_delta_against_the_full_save_finds_that_full_save(tmp_path: Path) -> None:
+    policy = nvdcp.DeltaPolicy(full_every=8, against="full")
+    sd = {"w": weights_like((256, 300), seed=1)}
+    save(sd, tmp_path / "s0", delta=policy)
+    sd["w"] = sd["w"] + 1e-4
+    save(sd, tmp_path / "s1", delta=policy)
+    resumed = nvdcp.DeltaPolicy(full_every=8, against="full")
+    resumed.resume_from(tmp_path / "s1")
+    sd["w"] = sd["w"] + 1e-4
+    save(sd, tmp_path / "s2", delta=resumed)
+    assert (_record(tmp_path / "s2") or {}).get("relative") == "../s0"
+    _load_check(tmp_path / "s2", _snapshot(sd))
