@@ -14,7 +14,7 @@ from benchmarks import delta_bench
 def test_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     target = delta_bench.main([
         "--device", "cpu", "--small", "--intervals", "2,10", "--checkpoints", "4", "--keep", "3", "--ks", "2,3",
-        "--warm-steps", "2", "--stock-saves", "2", "--verify-all", "--root", str(tmp_path / "ckpt"),
+        "--against", "previous,full", "--warm-steps", "2", "--stock-saves", "2", "--verify-all", "--root", str(tmp_path / "ckpt"),
         "--out", str(tmp_path), "--suffix", "_smoke",
     ])
     out = capsys.readouterr().out
@@ -27,13 +27,14 @@ def test_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
         ("fp32_adamw", 2), ("fp32_adamw", 10), ("bf16_weights", 2), ("bf16_weights", 10)]
     for combo in payload["combos"]:
         rows = {r["writer"]: r for r in combo["rows"]}
-        assert rows.keys() == {"stock", "nvdcp", "delta K=2", "delta K=3"}
+        assert rows.keys() == {"stock", "nvdcp", "delta K=2", "delta K=3", "delta-full K=2", "delta-full K=3"}
         assert rows["stock"]["saves"] == 2 and rows["nvdcp"]["saves"] == 4
         # K=2: whole, delta, whole, delta; K=3: whole, delta, delta, whole
         assert (rows["delta K=2"]["whole"], rows["delta K=2"]["deltas"]) == (2, 2)
         assert (rows["delta K=3"]["whole"], rows["delta K=3"]["deltas"]) == (2, 2)
         chains = {c["writer"]: c for c in combo["chains"]}
         assert [c["depth"] for c in chains["delta K=3"]["checkpoints"]] == [0, 1, 2, 0]
+        assert [c["depth"] for c in chains["delta-full K=3"]["checkpoints"]] == [0, 1, 1, 0]
         # keeping the last 3 of K=3 keeps the whole save its first kept delta needs
         assert rows["delta K=3"]["last3_kept"] == 4 and rows["nvdcp"]["last3_kept"] == 3
         assert rows["delta K=3"]["deep_depth"] == 2
