@@ -550,7 +550,8 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
                     break
                 keep = []
                 for job, encoded in bucket.records:
-                    if job.delta is not None and not job.delta.pays(encoded.nbytes):
+                    delta = getattr(job, "delta", None)  # (the CPU tests drive this with stand-in jobs)
+                    if delta is not None and not delta.pays(encoded.nbytes):
                         again.append(job.whole(self.encoder.whole_layout(job.dtype)))
                     else:
                         keep.append((job, encoded))
