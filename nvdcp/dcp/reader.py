@@ -721,8 +721,8 @@ class NvcompReader(StorageReader):
             element_size = _element_size(dtype)
             if header.transform and header.n_planes != element_size:
                 raise CorruptCheckpointError(f"{where}: {header.n_planes} byte planes for {element_size}-byte elements")
-            # a v2 record only where .metadata says delta (_load_delta_batch_gpu XORs it with its base)
-            delta = header.is_delta and descriptor.is_delta(self._record(index))
+            # a v2 record exactly where .metadata says delta (_load_delta_batch_gpu XORs it with its base)
+            delta = descriptor.is_delta(self._record(index))
             self._check_against_metadata(header, dtype, shape, element_size, where, delta)  # type: ignore[arg-type]
             found = targets[i] if targets is not None else None
             out = None

@@ -174,9 +174,16 @@ def _forge_item(ckpt: Path, fqn: str, mutate: Any) -> str:
 
 
 def test_unknown_item_format_version_refused(ckpt: Path) -> None:
+    name = _forge_item(ckpt, "w", lambda r: struct.pack_into("<H", r, 4, 3))
+    err = _load_error(ckpt)
+    assert isinstance(err, nvdcp.FormatVersionError) and "v3" in str(err) and name in str(err)
+
+
+def test_whole_record_relabelled_as_delta_refused(ckpt: Path) -> None:
+    """A v1 record whose version says 2 (a delta) without the delta flag and base digest."""
     name = _forge_item(ckpt, "w", lambda r: struct.pack_into("<H", r, 4, 2))
     err = _load_error(ckpt)
-    assert isinstance(err, nvdcp.FormatVersionError) and "v2" in str(err) and name in str(err)
+    assert isinstance(err, nvdcp.CorruptCheckpointError) and "flags" in str(err) and name in str(err), err
 
 
 def test_unknown_codec_id_refused(ckpt: Path) -> None:
@@ -187,7 +194,8 @@ def test_unknown_codec_id_refused(ckpt: Path) -> None:
 
 
 @pytest.mark.parametrize("desc,error", [
-    ("nvdcp.zstd/2", nvdcp.FormatVersionError), ("nvdcp.brotli/1", nvdcp.UnknownCodecError),
+    ("nvdcp.zstd/3", nvdcp.FormatVersionError), ("nvdcp.brotli/1", nvdcp.UnknownCodecError),
+    ("nvdcp.zstd/2", nvdcp.CorruptCheckpointError),  # says delta; the record is stored whole
     ("nvdcp.zstd/one", nvdcp.CorruptCheckpointError),
 ])
 def test_unknown_descriptors_refused(ckpt: Path, desc: str, error: type) -> None:
