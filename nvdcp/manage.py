@@ -138,9 +138,9 @@ def _delta_ref(path: str, options: Options) -> BaseRef | None | str:
 
 
 def _base_mismatch(metadata: Any, ref: BaseRef) -> str | None:
-    from nvdcp.dcp.reader import _base_problem
+    from nvdcp.dcp.reader import base_problem
 
-    return _base_problem(metadata, ref)
+    return base_problem(metadata, ref)
 
 
 def find_base(path: str, ref: BaseRef, storage_options: Options = None) -> tuple[str | None, str | None]:

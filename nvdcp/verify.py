@@ -9,7 +9,6 @@ checkpoint saved whole. A base that is gone or was replaced is damage, not an ex
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -18,13 +17,13 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from nvdcp.dcp import descriptor
-from nvdcp.dcp.reader import NvcompReader, _base_problem, _element_size, describe_index
+from nvdcp.dcp.reader import NvcompReader, base_problem, describe_index
 from nvdcp.dcp.stock_items import is_nvdcp_record
 from nvdcp.errors import CodecUnavailableError, DeltaBaseError, IncompleteCheckpointError, NvdcpError
 from nvdcp.format.delta import BaseRef, base_candidates, read_delta, same_location
 from nvdcp.format.digest import digest_of_header, read_digests
 from nvdcp.format.header import FILE_FIXED_SIZE, ItemHeader, file_header_size, parse_file_header
-from nvdcp.pipeline.cpu import decode_item, verify_chunks
+from nvdcp.pipeline.cpu import verify_chunks
 from nvdcp.report import Report
 
 
@@ -235,7 +234,7 @@ def _find_base(reader: NvcompReader, ref: BaseRef) -> tuple[tuple[NvcompReader, 
         except NvdcpError as exc:
             found.append(f"{location} (unreadable .metadata: {exc})")
             continue
-        problem = _base_problem(base_md, ref)
+        problem = base_problem(base_md, ref)
         if problem is None:
             return (base, base_md), ("", "")
         found.append(f"{location} ({problem})")
@@ -252,17 +251,7 @@ def _find_base(reader: NvcompReader, ref: BaseRef) -> tuple[tuple[NvcompReader, 
 
 def _load_delta(reader: NvcompReader, index: MetadataIndex, totals: Report) -> ItemHeader:
     """Check and decode a delta item's record as stored (the XOR bytes, not combined with its base)."""
-    name, offset, length = reader.record_of(index)
-    where = reader.where(index)
-    t0 = time.perf_counter()
-    record = memoryview(reader.storage.read_range(name, offset, length))
-    t1 = time.perf_counter()
-    dtype, shape = reader._expected(index)
-    element_size = _element_size(dtype)
-    header, _ = decode_item(record, where, reader._codec_pool(), element_size)
-    reader._check_against_metadata(header, dtype, shape, element_size, where, True)
-    totals.add(header.raw_nbytes, length, read_s=t1 - t0, decode_s=time.perf_counter() - t1)
-    return header
+    return reader.decode_record(index, totals)
 
 
 def _check_base_item(reader: NvcompReader, index: MetadataIndex, header: ItemHeader, base: NvcompReader,
@@ -277,7 +266,7 @@ def _check_base_item(reader: NvcompReader, index: MetadataIndex, header: ItemHea
                       f"holds no nvdcp item {describe_index(index)}", "BaseMismatchError")
     base_where = f"{base.storage.describe(base_info.relative_path)} @ {base_info.offset} item {describe_index(index)}"
     try:
-        base_header = base._read_header(base_info.relative_path, base_info.offset, base_info.length, base_where)
+        base_header = base.read_header(base_info.relative_path, base_info.offset, base_info.length, base_where)
     except NvdcpError as exc:
         return Damage(describe_index(index), file, f"{where}: its base item is unreadable: {exc}", type(exc).__name__)
     got = digest_of_header(base_header)

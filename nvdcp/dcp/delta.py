@@ -375,7 +375,7 @@ class DeltaSave:
         reader = self._reader()
         assert reader.metadata is not None
         info = reader.metadata.storage_data.get(index)
-        expected = reader._expected(index) if info is not None else (None, None)
+        expected = reader.expected(index) if info is not None else (None, None)
         if info is None or not is_nvdcp_record(info) or expected != (dtype, shape):
             return None, None, None  # no such item there: stored whole
         header, raw = reader.item_raw(index)

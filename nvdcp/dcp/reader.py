@@ -290,7 +290,7 @@ class NvcompReader(StorageReader):
                 base_md = base.read_metadata()
             except IncompleteCheckpointError:
                 continue
-            problem = _base_problem(base_md, ref)
+            problem = base_problem(base_md, ref)
             if problem is not None:
                 found.append(f"{location} ({problem})")
                 continue
@@ -339,6 +339,24 @@ class NvcompReader(StorageReader):
             report.add(header.raw_nbytes, stored, read_s=t1 - t0, decode_s=time.perf_counter() - t1)
         return header, out
 
+    def decode_record(self, index: MetadataIndex, report: Report | None = None) -> ItemHeader:
+        """Check and decode one item's record as stored (a delta's XOR bytes, not combined with
+        its base): header, every chunk's CRC32C, dtype and shape against ``.metadata``; what
+        ``nvdcp verify`` does per item. Returns the header."""
+        name, offset, length = self.record_of(index)
+        where = self.where(index)
+        t0 = time.perf_counter()
+        with _naming_item(where):
+            record = memoryview(self.storage.read_range(name, offset, length))
+        t1 = time.perf_counter()
+        dtype, shape = self.expected(index)
+        element_size = _element_size(dtype)
+        header, _ = decode_item(record, where, self._codec_pool(), element_size)
+        self._check_against_metadata(header, dtype, shape, element_size, where, descriptor.is_delta(self._record(index)))
+        if report is not None:
+            report.add(header.raw_nbytes, length, read_s=t1 - t0, decode_s=time.perf_counter() - t1)
+        return header
+
     def _chain_records(self, index: MetadataIndex) -> list[tuple[NvcompReader, memoryview, ItemHeader, str]]:
         """``index``'s record in this checkpoint and in each base it needs, nearest first, all
         checked (see :meth:`item_raw`): ``(reader, record, header, where)`` per level."""
@@ -350,7 +368,7 @@ class NvcompReader(StorageReader):
             with _naming_item(where):
                 record = memoryview(reader.storage.read_range(name, offset, length))
             header = verify_chunks(record, where)
-            dtype, shape = reader._expected(index)
+            dtype, shape = reader.expected(index)
             element_size = _element_size(dtype)
             check_decodable(header, element_size, where)
             delta = descriptor.is_delta(reader._record(index))
@@ -399,7 +417,7 @@ class NvcompReader(StorageReader):
             reqs = by_item[index]
             if devices.get(index) is not None or len(reqs) != 1 or reqs[0].type != LoadItemType.TENSOR:
                 continue
-            dtype, shape = self._expected(index)
+            dtype, shape = self.expected(index)
             if shape is None or any(reqs[0].storage_offsets) or tuple(reqs[0].lengths) != shape:
                 continue
             target = planner.resolve_tensor(reqs[0]).detach()
@@ -442,7 +460,7 @@ class NvcompReader(StorageReader):
         return batches + [(device, items) for device, (items, _) in open_.items() if items]
 
     def _expected_nbytes(self, index: MetadataIndex) -> int:
-        dtype, shape = self._expected(index)
+        dtype, shape = self.expected(index)
         return tensor_nbytes(shape, dtype) if dtype is not None and shape is not None else self._record(index).length
 
     def _load_delta_batch_gpu(self, indexes: list[MetadataIndex], device: torch.device, report: Report,
@@ -506,7 +524,7 @@ class NvcompReader(StorageReader):
             reqs = by_item[index]
             if len(reqs) != 1 or reqs[0].type != LoadItemType.TENSOR:
                 return None
-            dtype, shape = self._expected(index)
+            dtype, shape = self.expected(index)
             if dtype is None or shape is None or tensor_nbytes(shape, dtype) < DIRECT_MIN_BYTES:
                 return None
             if any(reqs[0].storage_offsets) or tuple(reqs[0].lengths) != shape:
@@ -576,7 +594,7 @@ class NvcompReader(StorageReader):
         ``into`` (the whole item's destination), the bytes may go straight there: then ``into``
         itself is returned. ``files`` keeps local data files open across calls."""
         info = self._record(index)
-        dtype, shape = self._expected(index)
+        dtype, shape = self.expected(index)
         t0 = time.perf_counter()
         item = self.stock.read(
             self.storage, info.relative_path, info.offset, info.length, info.transform_descriptors,
@@ -587,7 +605,8 @@ class NvcompReader(StorageReader):
             report.add(raw, info.length, read_s=time.perf_counter() - t0)
         return item
 
-    def _expected(self, index: MetadataIndex) -> tuple[torch.dtype | None, tuple[int, ...] | None]:
+    def expected(self, index: MetadataIndex) -> tuple[torch.dtype | None, tuple[int, ...] | None]:
+        """The stored item's dtype and chunk shape by ``.metadata`` (None, None: a bytes item)."""
         assert self.metadata is not None
         if self._chunks is None:
             self._chunks = {
@@ -618,7 +637,7 @@ class NvcompReader(StorageReader):
             # Its flat bytes are found here, on the calling thread before any I/O thread runs:
             # torch calls on the I/O threads wait on the GIL behind the others (measured on the
             # H200: a third of a small-tensor load in one reshape/view per item).
-            dtype, shape = self._expected(reqs[0].storage_index)
+            dtype, shape = self.expected(reqs[0].storage_index)
             if len(reqs) == 1 and shape is not None and not any(reqs[0].storage_offsets) \
                     and tuple(reqs[0].lengths) == shape:
                 whole = target.detach()
@@ -668,7 +687,7 @@ class NvcompReader(StorageReader):
         with _naming_item(where):
             record = self.storage.read_range(name, offset, length)
         t1 = time.perf_counter()
-        dtype, shape = self._expected(index)
+        dtype, shape = self.expected(index)
         element_size = _element_size(dtype)
         header, host_raw = decode_item(memoryview(record), where, self._codec_pool(), element_size)
         self._check_against_metadata(header, dtype, shape, element_size, where)
@@ -714,10 +733,10 @@ class NvcompReader(StorageReader):
                 header, table = _header_and_table(rec, where)  # type: ignore[arg-type]
                 payload = np.frombuffer(rec, dtype=np.uint8)[header.header_bytes :]
             else:
-                header = self._read_header(name, offset, length, where)  # type: ignore[arg-type]
+                header = self.read_header(name, offset, length, where)  # type: ignore[arg-type]
                 table = None  # built by the decoder from the header
             stored += length
-            dtype, shape = self._expected(index)
+            dtype, shape = self.expected(index)
             element_size = _element_size(dtype)
             if header.transform and header.n_planes != element_size:
                 raise CorruptCheckpointError(f"{where}: {header.n_planes} byte planes for {element_size}-byte elements")
@@ -774,7 +793,7 @@ class NvcompReader(StorageReader):
             k = j
         return out
 
-    def _read_header(self, name: str, offset: int, length: int, where: str) -> ItemHeader:
+    def read_header(self, name: str, offset: int, length: int, where: str) -> ItemHeader:
         """Fetch and validate just an item's header (the GPU path reads chunks straight into staging)."""
         with _naming_item(where):
             prefix = memoryview(self.storage.read_range(name, offset, min(length, HEADER_PREFIX_BYTES)))
@@ -921,7 +940,7 @@ class NvcompReader(StorageReader):
         """What the CPU path needs of one nvdcp item, its ``.metadata`` record checked."""
         info = plan.records.get(index) or self._record(index)
         self._check_descriptor(info, index)
-        dtype, shape = self._expected(index)
+        dtype, shape = self.expected(index)
         reqs = plan.by_item.get(index, [])
         whole = (
             len(reqs) == 1 and reqs[0].type == LoadItemType.TENSOR and dtype is not None and shape is not None
@@ -1022,7 +1041,7 @@ class NvcompReader(StorageReader):
         destination, so a large item never needs a second full-size buffer."""
         where = self.where(item.index)
         t0 = time.perf_counter()
-        header = self._read_header(item.name, item.offset, item.length, where)
+        header = self.read_header(item.name, item.offset, item.length, where)
         check_decodable(header, item.element_size, where)
         self._check_against_metadata(header, item.dtype, item.shape, item.element_size, where)
         assert item.out is not None  # the segmented items' destinations are resolved at submission
@@ -1117,7 +1136,7 @@ RUN_BYTES = 64 << 20
 
 
 def _header_in(rec: memoryview, where: str) -> ItemHeader:
-    """An in-memory record's header, checked as ``NvcompReader._read_header`` checks it."""
+    """An in-memory record's header, checked as ``NvcompReader.read_header`` checks it."""
     return _header_and_table(rec, where)[0]
 
 
@@ -1361,7 +1380,7 @@ def _holding(slots: threading.BoundedSemaphore, fn: Callable[..., _T], *args: An
         return fn(*args)
 
 
-def _base_problem(base_md: Metadata, ref: BaseRef) -> str | None:
+def base_problem(base_md: Metadata, ref: BaseRef) -> str | None:
     """Why the checkpoint ``base_md`` is not the base ``ref`` names (None: it is)."""
     save_id = getattr(getattr(base_md, "storage_meta", None), "save_id", None)
     if save_id != ref.save_id:

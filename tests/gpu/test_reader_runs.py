@@ -39,7 +39,7 @@ def test_runs_match_single_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
             continue
         assert bytes(rec) == bytes(r.storage.read_range(name, off, length))
         where = r.where(ix)
-        assert reader_mod._header_in(rec, where) == r._read_header(name, off, length, where)
+        assert reader_mod._header_in(rec, where) == r.read_header(name, off, length, where)
 
 
 def test_failed_run_read_falls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
