@@ -91,6 +91,7 @@ from nvdcp.report import Report
 from nvdcp.storage import Storage, open_storage
 from nvdcp.storage.base import Buffer
 from nvdcp.storage.local import LocalStorage
+from nvdcp.transform import delta as delta_transform
 
 logger = logging.getLogger(__name__)
 
@@ -331,9 +332,10 @@ class NvcompReader(StorageReader):
         pool = self._codec_pool()
         _, record, root, where = chain[-1]
         _, out = decode_item(record, where, pool, root.n_planes if root.transform else 1, out, crcs_checked=True)
+        element_size = _element_size(self.expected(index)[0])
         for _, record, level, where in reversed(chain[:-1]):
             _, delta = decode_item(record, where, pool, level.n_planes if level.transform else 1, crcs_checked=True)
-            np.bitwise_xor(out, delta, out=out)
+            delta_transform.apply_np(out, delta, level.delta_kind, element_size)
         if report is not None:
             stored = sum(len(record) for _, record, _, _ in chain)
             report.add(header.raw_nbytes, stored, read_s=t1 - t0, decode_s=time.perf_counter() - t1)
@@ -474,11 +476,20 @@ class NvcompReader(StorageReader):
         reader, pending = self, list(indexes)
         while pending:
             for index, header, raw in reader._load_gpu_batch(pending, device, report):
+                element_size = _element_size(reader.expected(index)[0])
                 if index in expected:
                     above, where = expected.pop(index)
                     self._check_base_digest(reader, index, above, header, where)
-                    rebuilt[index][1].bitwise_xor_(raw)
+                    top, acc = rebuilt[index]
+                    if header.is_delta and header.delta_kind != top.delta_kind:
+                        raise CorruptCheckpointError(
+                            f"{reader.where(index)}: delta kind {header.delta_kind} under a delta of kind "
+                            f"{top.delta_kind} (nvdcp never mixes them in one item's chain)"
+                        )
+                    delta_transform.accumulate_torch(acc, raw, top.delta_kind, element_size, header.is_delta)
                 else:
+                    if header.is_delta:
+                        delta_transform.to_difference_torch(raw, header.delta_kind, element_size)
                     rebuilt[index] = (header, raw)
                 if header.is_delta:
                     expected[index] = (header, reader.where(index))

@@ -48,7 +48,9 @@ MAX_PLANES = 16
 _ITEM_FIXED = struct.Struct("<4sHBBBBBBIQI")
 _FILE_FIXED = struct.Struct("<8sHHI")  # magic, version, reserved, info_len
 _CHUNK = struct.Struct("<II")  # stored bytes, crc32c of the stored bytes
-_BASE = struct.Struct("<II")  # v2 delta items: digest of the base item's record, reserved (0)
+_BASE = struct.Struct("<II")  # v2 delta items: digest of the base item's record, delta kind
+#: delta kinds of v2 records (:mod:`nvdcp.transform.delta`): 0 XOR, 1 zigzag integer difference
+DELTA_KINDS = (0, 1)
 _CRC = struct.Struct("<I")
 
 
@@ -70,9 +72,10 @@ class ItemHeader:
     decoded on its own. A chunk whose stored size equals its uncompressed size is stored raw
     (compression never pays for it to be that large).
 
-    ``base_digest`` set (a version 2 record): the bytes the chunks decode to are the item's bytes
-    XOR the raw bytes of the same item in the base checkpoint, whose record digest (its header
-    CRC32C, :mod:`nvdcp.format.digest`) is ``base_digest``.
+    ``base_digest`` set (a version 2 record): the bytes the chunks decode to are the item's
+    delta against the raw bytes of the same item in the base checkpoint, whose record digest (its
+    header CRC32C, :mod:`nvdcp.format.digest`) is ``base_digest``; ``delta_kind`` says which delta
+    (:mod:`nvdcp.transform.delta`: 0 XOR, 1 zigzag integer difference of whole elements).
     """
 
     kind: int
@@ -84,6 +87,7 @@ class ItemHeader:
     chunks: tuple[tuple[int, int], ...]
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     base_digest: int | None = None
+    delta_kind: int = 0
     header_bytes: int = field(default=0, compare=False)
 
     @property
@@ -124,7 +128,7 @@ class ItemHeader:
                 ITEM_MAGIC, self.version, self.kind, self.dtype_code, self.transform,
                 n_planes, len(self.shape), FLAG_XOR_BASE if delta else 0, self.chunk_bytes, self.raw_nbytes, size,
             ),
-            _BASE.pack(self.base_digest, 0) if delta else b"",
+            _BASE.pack(self.base_digest, self.delta_kind) if delta else b"",
             struct.pack(f"<{len(self.shape)}Q", *self.shape),
             bytes(self.plane_codecs) + b"\x00" * _pad4(n_planes),
             b"".join(_CHUNK.pack(s, c) for s, c in self.chunks),
@@ -211,9 +215,11 @@ def parse_item_header_only(buf: memoryview, where: str) -> ItemHeader:
         raise CorruptCheckpointError(f"{where}: item header checksum mismatch")
     n_chunks = n_planes * (-(-(raw_nbytes // n_planes) // chunk_bytes))
     off = _ITEM_FIXED.size
-    base_digest = None
+    base_digest, delta_kind = None, 0
     if flags & FLAG_XOR_BASE:
-        base_digest, _reserved = _BASE.unpack_from(buf, off)
+        base_digest, delta_kind = _BASE.unpack_from(buf, off)
+        if delta_kind not in DELTA_KINDS:
+            raise CorruptCheckpointError(f"{where}: unknown delta kind {delta_kind}")
         off += _BASE.size
     shape = struct.unpack_from(f"<{ndim}Q", buf, off)
     off += 8 * ndim
@@ -223,7 +229,7 @@ def parse_item_header_only(buf: memoryview, where: str) -> ItemHeader:
     return ItemHeader(
         kind=kind, dtype_code=dtype_code, shape=tuple(shape), raw_nbytes=raw_nbytes,
         transform=transform, plane_codecs=plane_codecs, chunks=chunks,  # type: ignore[arg-type]
-        chunk_bytes=chunk_bytes, base_digest=base_digest, header_bytes=header_bytes,
+        chunk_bytes=chunk_bytes, base_digest=base_digest, delta_kind=delta_kind, header_bytes=header_bytes,
     )
 
 

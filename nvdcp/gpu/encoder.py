@@ -39,6 +39,7 @@ from nvdcp.gpu.pinned import PinnedPool
 from nvdcp.pipeline.cpu import EncodedItem
 from nvdcp.pipeline.delta import DeltaInput
 from nvdcp.pipeline.policy import Layout
+from nvdcp.transform import delta as delta_transform
 
 #: Stored chunks start at multiples of this many bytes after compaction (device and host). The
 #: gather index costs 8 bytes per granule; the padding averages half a granule per compressed chunk.
@@ -374,7 +375,7 @@ class GpuEncoder:
             if job.keep is not None:
                 job.keep[start * p : (start + m) * p].copy_(src, non_blocking=True)
             if base is not None:
-                src = torch.bitwise_xor(src, base)
+                src = delta_transform.encode_torch(src, base, delta_transform.kind_for(job.dtype), job.dtype.itemsize)
             region = slots[seg.first_slot : seg.first_slot + seg.n_blocks * p]
             if job.layout.transform == TRANSFORM_BYTEPLANES:
                 if full:
@@ -484,6 +485,7 @@ class GpuEncoder:
             transform=job.layout.transform, plane_codecs=tuple(codec_id(n) for n in job.layout.plane_codecs),
             chunks=tuple((len(v), crc) for v, crc in chunks), chunk_bytes=self.chunk_bytes,
             base_digest=job.delta.base_digest if job.delta is not None else None,
+            delta_kind=delta_transform.kind_for(job.dtype) if job.delta is not None else 0,
         )
         return EncodedItem(header, header.pack(), [v for v, _ in chunks])
 

@@ -36,6 +36,7 @@ from nvdcp.format.header import (
 )
 from nvdcp.pipeline.policy import Layout
 from nvdcp.storage.base import Buffer
+from nvdcp.transform import delta as delta_transform
 
 logger = logging.getLogger(__name__)
 
@@ -229,13 +230,15 @@ def encode_item(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     base: np.ndarray | None = None,
     base_digest: int | None = None,
+    delta_kind: int = 0,
 ) -> EncodedItem:
     """Encode one item's raw bytes (a flat uint8 array) with ``layout``; groups of about
     ``_GROUP_BYTES`` go to ``pool`` when there are several.
 
     ``base`` (the same item's raw bytes in the base checkpoint, ``raw.size`` bytes) makes a delta
-    record: the XOR of the two is stored, and ``base_digest`` (the base item's record digest)
-    goes into its header (docs/FORMAT.md, "Delta checkpoints")."""
+    record: their delta of ``delta_kind`` (:mod:`nvdcp.transform.delta`) is stored, and
+    ``base_digest`` (the base item's record digest) goes into its header (docs/FORMAT.md, "Delta
+    checkpoints")."""
     for name in layout.plane_codecs:
         if name in GPU_ONLY:
             raise CodecUnavailableError(f"codec {name!r} can only encode on a GPU")
@@ -244,7 +247,7 @@ def encode_item(
     if base is not None:
         if base.size != raw.size or base_digest is None:
             raise ValueError(f"a delta needs a base of {raw.size} bytes and its digest, got {base.size} bytes")
-        raw = np.bitwise_xor(raw, base)
+        raw = delta_transform.encode_np(raw, base, delta_kind, element_size)
         unchanged = not raw.any()
     # XOR planes are mostly zero bytes and short runs, like float sign+exponent planes: the
     # same tuned codec settings
@@ -276,6 +279,7 @@ def encode_item(
         chunks=tuple((len(s), crc) for s, crc in stored),
         chunk_bytes=chunk_bytes,
         base_digest=base_digest if base is not None else None,
+        delta_kind=delta_kind if base is not None else 0,
     )
     return EncodedItem(header, header.pack(), [s for s, _ in stored], unchanged)
 

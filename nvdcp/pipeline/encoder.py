@@ -39,6 +39,7 @@ from nvdcp.pipeline.cpu import EncodedItem, encode_item
 from nvdcp.pipeline.delta import DeltaInput, DeltaTensor
 from nvdcp.pipeline.policy import GPU_AUTO_CODEC, choose_delta_layout, choose_layout
 from nvdcp.pipeline.tensors import flat_bytes, plain, tensor_to_host_bytes
+from nvdcp.transform import delta as delta_transform
 
 if TYPE_CHECKING:
     from nvdcp.gpu.encoder import EncodedBucket, GpuEncoder, GpuJob, HostSink
@@ -169,7 +170,8 @@ class ItemEncoder:
             encoded = encode(layout=choose_layout(tensor.dtype, codec))
         else:
             assert delta is not None and delta.base is not None
-            encoded = encode(layout=layout, base=delta.base.numpy(), base_digest=delta.base_digest)
+            encoded = encode(layout=layout, base=delta.base.numpy(), base_digest=delta.base_digest,
+                             delta_kind=delta_transform.kind_for(tensor.dtype))
             if delta.whole_nbytes is None or not delta.pays(encoded.nbytes):
                 # its whole size unknown (a base read back from storage) or the delta too large
                 whole = encode(layout=choose_layout(tensor.dtype, codec))

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import nvdcp
 from nvdcp.dcp import descriptor
 from nvdcp.format.digest import digest_of_header
+from nvdcp.format.dtypes import code_dtype
 from nvdcp.format.header import parse_item_header
 from tests.dcp.helpers import failure_of
 from tests.golden.make_golden import V2_DELTA_ITEMS, digest, golden_state, golden_state_v2, record_bytes
@@ -83,11 +84,13 @@ def test_golden_v2_delta_records_are_as_committed() -> None:
         magic, version, flags = rec[:4], struct.unpack_from("<H", rec, 4)[0], rec[11]
         assert magic == b"NVDI"
         if fqn in deltas:
-            # v2 layout: the fixed fields (flags byte = 1: XOR with the base), then the base
-            # item's digest (u32) and a reserved u32 (0) before the shape
+            # v2 layout: the fixed fields (flags byte = 1: a delta against the base), then the
+            # base item's digest (u32) and the delta kind (u32: 1 zigzag difference for floats,
+            # 0 XOR otherwise) before the shape
             assert (version, flags) == (2, 1) and header.is_delta, fqn
-            base_digest, reserved = struct.unpack_from("<II", rec, 28)
-            assert reserved == 0
+            base_digest, kind = struct.unpack_from("<II", rec, 28)
+            floats = code_dtype(header.dtype_code, fqn).is_floating_point
+            assert kind == header.delta_kind == (1 if floats else 0), fqn
             base_header = parse_item_header(memoryview(base_records[fqn]), fqn)
             assert base_digest == header.base_digest == digest_of_header(base_header), fqn
             assert header.shape == base_header.shape and header.dtype_code == base_header.dtype_code

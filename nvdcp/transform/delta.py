@@ -1,0 +1,106 @@
+"""Delta transforms: an item's bytes against its base item's, before byte planes (docs/FORMAT.md).
+
+Two kinds, recorded per item record:
+
+- ``XOR`` (0): byte-wise XOR. Bytes that did not change become zero.
+- ``ZIGZAG_DIFF`` (1): each element's bit pattern read as a signed integer of the element's
+  width, the base's subtracted (modulo 2^width), then zigzag-coded (``(d << 1) ^ (d >> (w-1))``)
+  so small differences of either sign have zero high bytes. For a float whose value moved a
+  little, the bit patterns differ by a small integer even where a carry flips a run of bits (XOR
+  keeps the whole run): on the CPU reference model, 10 steps apart, the byte planes coded 1.73x
+  instead of 1.66x (fp32 weights), 5.40x instead of 4.75x (bf16 weights), 1.61x instead of 1.54x
+  (fp32 ``exp_avg_sq``). Used for 2-, 4- and 8-byte real floats; everything else uses XOR.
+
+Both are exact inverses modulo 2^width, so any bit pattern (NaN payloads, -0.0, infinities)
+round-trips. The numpy functions run on the CPU path, the torch ones on the GPU path; they
+produce the same bytes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+XOR = 0
+ZIGZAG_DIFF = 1
+KINDS = (XOR, ZIGZAG_DIFF)
+
+_NP_INT = {2: np.int16, 4: np.int32, 8: np.int64}
+_NP_UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+_TORCH_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def kind_for(dtype: torch.dtype) -> int:
+    """The delta kind nvdcp writes for items of ``dtype``."""
+    if dtype.is_floating_point and dtype.itemsize in _NP_INT:
+        return ZIGZAG_DIFF
+    return XOR
+
+
+# -- numpy (the CPU path) -------------------------------------------------------------------------
+def encode_np(raw: np.ndarray, base: np.ndarray, kind: int, element_size: int) -> np.ndarray:
+    """The delta of ``raw`` against ``base`` (flat uint8 arrays of one size): a new uint8 array."""
+    if kind == XOR:
+        return np.bitwise_xor(raw, base)
+    it = _NP_INT[element_size]
+    d = raw.view(it) - base.view(it)  # wraps modulo 2^width, as intended
+    z = (d << 1) ^ (d >> (8 * element_size - 1))
+    return z.view(np.uint8)
+
+
+def apply_np(value: np.ndarray, delta: np.ndarray, kind: int, element_size: int) -> None:
+    """``value`` (the base's bytes) becomes the item's bytes: the inverse of :func:`encode_np`."""
+    if kind == XOR:
+        np.bitwise_xor(value, delta, out=value)
+        return
+    it, ut = _NP_INT[element_size], _NP_UINT[element_size]
+    z = delta.view(ut)
+    d = (z >> 1).view(it) ^ -(z & 1).view(it)
+    v = value.view(it)
+    np.add(v, d, out=v)
+
+
+# -- torch (the GPU path) -------------------------------------------------------------------------
+def _logical_shift_right_1(z: torch.Tensor, element_size: int) -> torch.Tensor:
+    # torch has no unsigned 32/64-bit shifts: an arithmetic shift with the sign bit masked off
+    return (z >> 1) & ((1 << (8 * element_size - 1)) - 1)
+
+
+def encode_torch(raw: torch.Tensor, base: torch.Tensor, kind: int, element_size: int) -> torch.Tensor:
+    """As :func:`encode_np`, for uint8 tensors on one device (a new tensor)."""
+    if kind == XOR:
+        return torch.bitwise_xor(raw, base)
+    it = _TORCH_INT[element_size]
+    d = raw.view(it) - base.view(it)
+    z = (d << 1) ^ (d >> (8 * element_size - 1))
+    return z.view(torch.uint8)
+
+
+def to_difference_torch(delta: torch.Tensor, kind: int, element_size: int) -> None:
+    """Turn a decoded ``ZIGZAG_DIFF`` delta (uint8) into the plain difference, in place, so that
+    the differences of a chain add up (XOR deltas are left as they are: they XOR up)."""
+    if kind == XOR:
+        return
+    z = delta.view(_TORCH_INT[element_size])
+    z.copy_(_logical_shift_right_1(z, element_size) ^ -(z & 1))
+
+
+def accumulate_torch(acc: torch.Tensor, level: torch.Tensor, kind: int, element_size: int, is_delta: bool) -> None:
+    """Fold one more level of a chain into ``acc`` (uint8, in place). ``acc`` holds the sum (or
+    XOR) of the levels above, already as differences (:func:`to_difference_torch`); ``level``
+    is the next level's decoded bytes: a delta of the same kind, or the bytes saved whole at the
+    bottom of the chain. XOR and modular addition are both commutative, so folding top-down
+    gives what applying the deltas bottom-up gives."""
+    if kind == XOR:
+        acc.bitwise_xor_(level)
+        return
+    it = _TORCH_INT[element_size]
+    if is_delta:
+        to_difference_torch(level, kind, element_size)
+    acc.view(it).add_(level.view(it))
+
+
+__all__ = [
+    "KINDS", "XOR", "ZIGZAG_DIFF", "accumulate_torch", "apply_np", "encode_np", "encode_torch", "kind_for",
+    "to_difference_torch",
+]

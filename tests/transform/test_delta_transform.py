@@ -1,0 +1,72 @@
+"""Delta transforms (XOR, zigzag integer difference): exact inverses on every bit pattern, the
+numpy (CPU path) and torch (GPU path) versions byte-identical, chains folded either way agree."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from nvdcp.transform import delta as D
+
+
+def _bytes(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def _edge_floats(dtype: torch.dtype) -> np.ndarray:
+    vals = torch.tensor([0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf"), float("nan")], dtype=torch.float32)
+    t = vals.to(dtype)
+    t = torch.cat([t, torch.tensor([torch.finfo(dtype).max, torch.finfo(dtype).min, torch.finfo(dtype).tiny],
+                                   dtype=dtype)])
+    return t.view(torch.uint8).numpy().copy()
+
+
+@pytest.mark.parametrize("kind", D.KINDS)
+@pytest.mark.parametrize("size", [2, 4, 8])
+def test_numpy_round_trip_on_any_bytes(kind: int, size: int) -> None:
+    raw, base = _bytes(size * 4096, 1), _bytes(size * 4096, 2)
+    delta = D.encode_np(raw, base, kind, size)
+    value = base.copy()
+    D.apply_np(value, delta, kind, size)
+    assert np.array_equal(value, raw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_zigzag_round_trips_special_values_and_small_moves_have_zero_high_bytes(dtype: torch.dtype) -> None:
+    size = dtype.itemsize
+    edges = _edge_floats(dtype)
+    both = np.concatenate([edges, edges[::-1].copy()])  # specials against other specials
+    delta = D.encode_np(both, np.concatenate([edges, edges]), D.ZIGZAG_DIFF, size)
+    value = np.concatenate([edges, edges])
+    D.apply_np(value, delta, D.ZIGZAG_DIFF, size)
+    assert np.array_equal(value, both)
+    # one ulp up and down: the difference is +-1, zigzag 2 and 1: every other byte is zero
+    x = torch.linspace(0.5, 1.5, 1000, dtype=torch.float64).to(dtype)
+    xi = x.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[size])
+    up = (xi + 1).view(dtype)
+    d = D.encode_np(up.view(torch.uint8).numpy(), x.view(torch.uint8).numpy(), D.ZIGZAG_DIFF, size)
+    assert set(d.reshape(-1, size)[:, 0].tolist()) == {2} and not d.reshape(-1, size)[:, 1:].any()
+
+
+def test_kind_for_dtypes() -> None:
+    assert D.kind_for(torch.float32) == D.kind_for(torch.bfloat16) == D.kind_for(torch.float64) == D.ZIGZAG_DIFF
+    for dtype in (torch.int64, torch.int32, torch.bool, torch.uint8, torch.complex64, torch.float8_e4m3fn):
+        assert D.kind_for(dtype) == D.XOR, dtype
+
+
+@pytest.mark.parametrize("kind", D.KINDS)
+@pytest.mark.parametrize("size", [2, 4, 8])
+def test_torch_matches_numpy_and_a_chain_folds_top_down(kind: int, size: int) -> None:
+    levels = [_bytes(size * 1000, s) for s in range(4)]  # root, then three later saves
+    deltas = [D.encode_np(levels[i + 1], levels[i], kind, size) for i in range(3)]
+    for i in range(3):
+        got = D.encode_torch(torch.from_numpy(levels[i + 1]), torch.from_numpy(levels[i]), kind, size)
+        assert np.array_equal(got.numpy(), deltas[i])
+    # the GPU path's order: the top delta first, then each lower delta, then the root
+    acc = torch.from_numpy(deltas[2].copy())
+    D.to_difference_torch(acc, kind, size)
+    D.accumulate_torch(acc, torch.from_numpy(deltas[1].copy()), kind, size, True)
+    D.accumulate_torch(acc, torch.from_numpy(deltas[0].copy()), kind, size, True)
+    D.accumulate_torch(acc, torch.from_numpy(levels[0].copy()), kind, size, False)
+    assert np.array_equal(acc.numpy(), levels[3])
