@@ -273,7 +273,8 @@ def test_random_damage_both_ways_never_loads_a_wrong_tensor(seaweed_env: S3Env) 
                 outcomes["save committed, then a cleanup read failed"] += 1
             try:
                 got = _load(url, want, via, rereads=3)
-            except CheckpointException as exc:
+            # a one-process load runs read_data outside DCP's wrapper (torch 2.13): the error comes bare
+            except (CheckpointException, CorruptCheckpointError) as exc:
                 err = failure_of(exc)
                 assert isinstance(err, CorruptCheckpointError) and ("item " in str(err) or ".metadata" in str(err)), err
                 assert _same(_load(url, want, _opts(env)), want) == [], f"round {r}: stored checkpoint differs"
