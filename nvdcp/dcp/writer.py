@@ -476,11 +476,16 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
         cpu: list[tuple[WriteItem, Any]] = []
         gpu: list[tuple[WriteItem, torch.Tensor | DeltaTensor]] = []
         delta = self._delta_save
+        resolved: dict[int, Any] = {
+            id(item): planner.resolve_data(item) for item in items if item.type != WriteItemType.BYTE_IO
+        }
+        if delta is not None:  # bases the cache lacks, read back from storage in parallel
+            delta.prefetch([(item.index, t) for item in items if isinstance(t := resolved.get(id(item)), torch.Tensor)])
         for item in items:
             if item.type == WriteItemType.BYTE_IO:
                 cpu.append((item, None))  # resolved by its file's thread (a serialized object)
                 continue
-            data: Any = planner.resolve_data(item)
+            data = resolved.pop(id(item))
             if delta is not None and isinstance(data, torch.Tensor):
                 data = delta.prepare(item.index, data)  # its base, and where its bytes are kept
             tensor = data.tensor if isinstance(data, DeltaTensor) else data

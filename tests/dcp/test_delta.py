@@ -126,17 +126,30 @@ def _chain(root: Path, n: int, policy: nvdcp.DeltaPolicy, sd: dict[str, Any] | N
 
 
 class _CountReads:
-    """Counts items whose base was read back from storage (not found in the host cache)."""
+    """Counts items whose base was read back from storage (not found in the host cache): in
+    parallel ahead of the save (``DeltaSave.prefetch``) or one by one (``DeltaSave._read_base``).
+    Counted while saving only (``NvcompReader.item_raw`` calls made by a save's writer)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.n = 0
-        original = DeltaSave._read_base
+        self.prefetched = 0
+        original_read, original_prefetch = DeltaSave._read_base, DeltaSave.prefetch
 
         def counted(this: DeltaSave, *args: Any) -> Any:
             self.n += 1
-            return original(this, *args)
+            return original_read(this, *args)
+
+        def prefetching(this: DeltaSave, items: Any, *args: Any) -> None:
+            cached = {ix for ix, entry in (this.cache.entries if this.cache else {}).items()
+                      if this.ref is not None and entry.save_id == this.ref.save_id}
+            original_prefetch(this, items, *args)
+            fetched = {ix for ix, entry in (this.cache.entries if this.cache else {}).items()
+                       if this.ref is not None and entry.save_id == this.ref.save_id} - cached
+            self.n += len(fetched)
+            self.prefetched += len(fetched)
 
         monkeypatch.setattr(DeltaSave, "_read_base", counted)
+        monkeypatch.setattr(DeltaSave, "prefetch", prefetching)
 
 
 # -- round trips and the schedule ---------------------------------------------------------------
@@ -277,7 +290,7 @@ def test_resume_from_deltas_against_storage(tmp_path: Path, monkeypatch: pytest.
     _train(sd, 2)
     save(sd, tmp_path / "s2", delta=fresh)
     want2 = _snapshot(sd)
-    assert reads.n >= 3  # w, b16, ids read back from storage
+    assert reads.n >= 3 and reads.prefetched >= 3  # w, b16, ids read back from storage, in parallel
     rec = _record(tmp_path / "s2")
     assert rec["depth"] == 2 and rec["save_id"] == _metadata(paths[1]).storage_meta.save_id
     assert {"w", "ids"} <= _delta_fqns(tmp_path / "s2")
