@@ -1,8 +1,9 @@
 """Delta checkpoints, the save side: the policy, the base kept in host memory, the base per item.
 
 A delta save stores each item whose base (the same ``MetadataIndex``, dtype and shape in the base
-checkpoint) is at hand as the XOR with the base item's bytes, when that pays, and every other item
-whole (docs/FORMAT.md, "Delta checkpoints"). Three pieces:
+checkpoint) is at hand as its difference from the base item's bytes (XOR, or the zigzag integer
+difference for floats: :mod:`nvdcp.transform.delta`), when that pays, and every other item whole
+(docs/FORMAT.md, "Delta checkpoints"). Three pieces:
 
 - :class:`DeltaPolicy`, the one place users set it up: a full checkpoint every ``full_every``
   saves, a bound on chain length, and the host-memory budget of the base kept between saves. It
@@ -38,8 +39,10 @@ from nvdcp.storage import open_storage
 
 logger = logging.getLogger(__name__)
 
-#: Default ``full_every``: one full checkpoint, then this many minus one deltas. Bytes kept for
-#: the last 10 checkpoints and load time both depend on it (benchmarks/delta_bench.py).
+#: Default ``full_every``: one full checkpoint, then this many minus one deltas. On the H200
+#: reference GPT runs (benchmarks/delta_bench.py, README "Delta checkpoints") 8 kept the chain's
+#: ratio within 1% of 16 on fp32 AdamW state (4% on bf16 weights) while a load reads at most 8
+#: checkpoints instead of 16 (a depth-7 load measured 5-8x a full one).
 DEFAULT_FULL_EVERY = 8
 #: Default chain bound for a writer given ``base=`` without a policy.
 DEFAULT_MAX_CHAIN = 16
@@ -124,6 +127,14 @@ class DeltaPolicy:
     def last(self) -> SaveRef | None:
         """The last save committed through this policy (or set by :meth:`resume_from`)."""
         return self._last
+
+    def __getstate__(self) -> Any:
+        # A copy in another process would neither see this process's saves nor share its cache
+        # (and pickling the cache would copy the whole state): refuse rather than drift apart.
+        raise TypeError(
+            "nvdcp.DeltaPolicy does not cross processes (its cache is this process's memory): use "
+            "dcp.async_save in THREAD mode (the default), not PROCESS mode, with a delta writer"
+        )
 
     def next_base(self) -> str | None:
         """Where the next save's base is, or None when it is to be saved whole."""

@@ -3,8 +3,10 @@ save XORs them with their base and compresses them; the chain loads bit-exact.""
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -45,3 +47,10 @@ def test_delta_writer_stages_raw_copies_other_writers_compress() -> None:
     plain = nvdcp.NvcompWriter("unused_plain")
     assert shared_stager(writer.encoding, writer.gpu, "copy").gpu_mode == "copy"
     assert shared_stager(plain.encoding, plain.gpu).gpu_mode == "compress"
+
+
+def test_a_delta_policy_refuses_to_be_pickled_for_another_process() -> None:
+    writer = nvdcp.NvcompWriter("unused_pickle", delta=nvdcp.DeltaPolicy())
+    with pytest.raises(TypeError, match="THREAD mode"):
+        pickle.dumps(writer)
+    pickle.dumps(nvdcp.NvcompWriter("unused_pickle"))  # without a policy it still travels
