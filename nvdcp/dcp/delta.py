@@ -274,7 +274,8 @@ class BaseCache:
         self.entries: dict[MetadataIndex, CacheEntry] = {}
         self._arenas: list[torch.Tensor] = []
         self._free_at = 0  # bytes used of the last arena
-        self.used = 0
+        self.used = 0  # bytes of the slots handed out
+        self.allocated = 0  # bytes of the arenas (never more than the budget)
         self._lock = threading.Lock()
 
     def lookup(self, index: MetadataIndex, save_id: str, dtype: torch.dtype, shape: tuple[int, ...]) -> CacheEntry | None:
@@ -302,11 +303,13 @@ class BaseCache:
             return entry
 
     def _carve(self, nbytes: int, pin: bool) -> torch.Tensor | None:
-        if self.used + nbytes > self.budget:
-            return None
         if not self._arenas or self._free_at + nbytes > self._arenas[-1].numel():
-            size = max(ARENA_BYTES, nbytes) if self.budget - self.used >= ARENA_BYTES else nbytes
+            room = self.budget - self.allocated  # the budget bounds what is allocated, tails included
+            if nbytes > room:
+                return None
+            size = min(max(ARENA_BYTES, nbytes), room)
             self._arenas.append(torch.empty(size, dtype=torch.uint8, pin_memory=pin))
+            self.allocated += size
             self._free_at = 0
         arena = self._arenas[-1]
         out = arena[self._free_at : self._free_at + nbytes]
@@ -319,7 +322,7 @@ class BaseCache:
             self.entries.clear()
             self._arenas.clear()
             self._free_at = 0
-            self.used = 0
+            self.used = self.allocated = 0
 
 
 # -- one save --------------------------------------------------------------------------------

@@ -708,3 +708,17 @@ def test_resume_from_a_delta_against_the_full_save_finds_that_full_save(tmp_path
     save(sd, tmp_path / "s2", delta=resumed)
     assert (_record(tmp_path / "s2") or {}).get("relative") == "../s0"
     _load_check(tmp_path / "s2", _snapshot(sd))
+
+
+def test_the_cache_never_allocates_more_than_its_budget() -> None:
+    from nvdcp.dcp.delta import BaseCache
+
+    budget = 3 * 1000 + 100
+    cache = BaseCache(budget)
+    got = [cache.slot(("item", i), 1000, torch.float32, (250,), pin=False) for i in range(5)]
+    assert [g is not None for g in got] == [True, True, True, False, False]
+    assert cache.allocated <= budget and cache.used == 3000
+    for g in got[:3]:  # slots do not overlap
+        assert g is not None
+        g.data.fill_(7)
+    assert all(int(g.data.sum()) == 7 * 1000 for g in got[:3] if g is not None)
