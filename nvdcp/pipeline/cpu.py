@@ -133,20 +133,29 @@ def block_chunks(planes: np.ndarray, chunk_bytes: int) -> list[memoryview]:
 
 def _encode_blocks(
     raw: np.ndarray, n_planes: int, codecs: list[Codec | None], chunk_bytes: int, planes_buf: np.ndarray | None,
-    blocks: range,
+    delta: tuple[np.ndarray, int, int, list[bool]] | None, blocks: range,
 ) -> list[tuple[bytes | memoryview, int]]:
     """Stored chunks and CRC32Cs of ``blocks``: the group's elements split into their planes here
     (one pass per group: cache-friendly, and on the pool's threads, not one whole-item pass
     before compression), into the group's own part of ``planes_buf`` (the item's plane buffer,
-    ``raw.size`` bytes). ``codecs[p]``: plane ``p``'s codec, None to store it raw."""
+    ``raw.size`` bytes). ``codecs[p]``: plane ``p``'s codec, None to store it raw.
+    ``delta``: ``(base, kind, element_size, changed)``: the group's difference from ``base`` is
+    encoded instead of ``raw`` (taken here, per group: cache-sized passes on the pool's threads),
+    and ``changed`` gets True when it is not all zero."""
     plane_nbytes = raw.size // n_planes
     lo = blocks.start * chunk_bytes
     hi = min(blocks.stop * chunk_bytes, plane_nbytes)
+    src = raw[lo * n_planes : hi * n_planes]
+    if delta is not None:
+        base, kind, element_size, changed = delta
+        src = delta_transform.encode_np(src, base[lo * n_planes : hi * n_planes], kind, element_size)
+        if src.any():
+            changed.append(True)
     if n_planes == 1 or planes_buf is None:
-        views = [raw[lo:hi].data]
+        views = [src.data]
     else:
         planes = planes_buf[lo * n_planes : hi * n_planes].reshape(n_planes, hi - lo)
-        split_planes(raw[lo * n_planes : hi * n_planes], n_planes, planes)
+        split_planes(src, n_planes, planes)
         views = [plane.data for plane in planes]
     out: list[tuple[bytes | memoryview, int]] = []
     append = out.append
@@ -243,18 +252,19 @@ def encode_item(
         if name in GPU_ONLY:
             raise CodecUnavailableError(f"codec {name!r} can only encode on a GPU")
     n_planes = element_size if layout.transform == TRANSFORM_BYTEPLANES else 1
-    unchanged = False
+    delta: tuple[np.ndarray, int, int, list[bool]] | None = None
     if base is not None:
         if base.size != raw.size or base_digest is None:
             raise ValueError(f"a delta needs a base of {raw.size} bytes and its digest, got {base.size} bytes")
-        raw = delta_transform.encode_np(raw, base, delta_kind, element_size)
-        unchanged = not raw.any()
-    # XOR planes are mostly zero bytes and short runs, like float sign+exponent planes: the
-    # same tuned codec settings
+        delta = (base, delta_kind, element_size, [])  # each group takes its own difference
+    # difference planes are mostly zero bytes and short runs, like float sign+exponent planes:
+    # the same tuned codec settings
     sparse = base is not None or _float_planes(kind, dtype_code, layout.transform)
     codecs = _plane_codecs(layout.plane_codecs, n_planes, sparse)
     if base is not None:
-        layout, codecs = _probe_planes(raw, n_planes, layout, codecs, chunk_bytes)
+        probe = min(raw.size, chunk_bytes * n_planes)
+        first = delta_transform.encode_np(raw[:probe], base[:probe], delta_kind, element_size)
+        layout, codecs = _probe_planes(first, n_planes, layout, codecs, chunk_bytes)
     n_blocks = -(-(raw.size // n_planes) // chunk_bytes)
     per = max(1, _GROUP_BYTES // (chunk_bytes * n_planes))
     spans = [range(s, min(n_blocks, s + per)) for s in range(0, n_blocks, per)]
@@ -263,7 +273,7 @@ def encode_item(
     # pages (where the kernel has them) instead of a fresh mapping per group (the split measured
     # about 2x faster so).
     planes_buf = np.empty(raw.size, dtype=np.uint8) if n_planes > 1 and raw.size else None
-    job = functools.partial(_encode_blocks, raw, n_planes, codecs, chunk_bytes, planes_buf)
+    job = functools.partial(_encode_blocks, raw, n_planes, codecs, chunk_bytes, planes_buf, delta)
     if pool is None or len(spans) < 2:
         results = [job(span) for span in spans]
     else:
@@ -281,6 +291,7 @@ def encode_item(
         base_digest=base_digest if base is not None else None,
         delta_kind=delta_kind if base is not None else 0,
     )
+    unchanged = delta is not None and not delta[3]
     return EncodedItem(header, header.pack(), [s for s, _ in stored], unchanged)
 
 

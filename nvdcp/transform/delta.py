@@ -38,14 +38,26 @@ def kind_for(dtype: torch.dtype) -> int:
 
 
 # -- numpy (the CPU path) -------------------------------------------------------------------------
+#: Elements per pass of the numpy versions: a few passes over a slice that stays in cache cost
+#: far less than the same passes over a whole item (16 MiB fp32: 5.7 ms instead of 14 ms here).
+_STEP = 1 << 15
+
+
 def encode_np(raw: np.ndarray, base: np.ndarray, kind: int, element_size: int) -> np.ndarray:
     """The delta of ``raw`` against ``base`` (flat uint8 arrays of one size): a new uint8 array."""
     if kind == XOR:
         return np.bitwise_xor(raw, base)
     it = _NP_INT[element_size]
-    d = raw.view(it) - base.view(it)  # wraps modulo 2^width, as intended
-    z = (d << 1) ^ (d >> (8 * element_size - 1))
-    return z.view(np.uint8)
+    b, a = raw.view(it), base.view(it)
+    out = np.empty_like(b)
+    sign = np.empty(min(_STEP, b.size), dtype=it)
+    for i in range(0, b.size, _STEP):
+        d, s = out[i : i + _STEP], sign[: min(_STEP, b.size - i)]
+        np.subtract(b[i : i + _STEP], a[i : i + _STEP], out=d)  # wraps modulo 2^width, as intended
+        np.right_shift(d, 8 * element_size - 1, out=s)
+        np.left_shift(d, 1, out=d)
+        np.bitwise_xor(d, s, out=d)
+    return out.view(np.uint8)
 
 
 def apply_np(value: np.ndarray, delta: np.ndarray, kind: int, element_size: int) -> None:
@@ -54,10 +66,18 @@ def apply_np(value: np.ndarray, delta: np.ndarray, kind: int, element_size: int)
         np.bitwise_xor(value, delta, out=value)
         return
     it, ut = _NP_INT[element_size], _NP_UINT[element_size]
-    z = delta.view(ut)
-    d = (z >> 1).view(it) ^ -(z & 1).view(it)
-    v = value.view(it)
-    np.add(v, d, out=v)
+    z, v = delta.view(ut), value.view(it)
+    half = np.empty(min(_STEP, z.size), dtype=ut)
+    sign = np.empty(min(_STEP, z.size), dtype=ut)
+    for i in range(0, z.size, _STEP):
+        n = min(_STEP, z.size - i)
+        h, s = half[:n], sign[:n]
+        np.right_shift(z[i : i + n], 1, out=h)
+        np.bitwise_and(z[i : i + n], 1, out=s)
+        si = s.view(it)
+        np.negative(si, out=si)
+        np.bitwise_xor(h.view(it), si, out=si)
+        np.add(v[i : i + n], si, out=v[i : i + n])
 
 
 # -- torch (the GPU path) -------------------------------------------------------------------------
