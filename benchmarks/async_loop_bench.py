@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 import nvdcp
 from benchmarks.common import fresh_dir, markdown_table, write_results
+from benchmarks.workload import tensors
 from nvdcp.dcp.stager import NvcompStager, _pinned_footprint
 
 MiB = 1 << 20
@@ -102,17 +103,7 @@ class Loop:
         return {"model": self.model.state_dict(), "optim": self.optim.state_dict()}
 
     def state_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in _tensors(self.state()))
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
-    return []
+        return sum(t.numel() * t.element_size() for t in tensors(self.state()))
 
 
 class _CapturingStager(DefaultStager):
@@ -129,7 +120,7 @@ def _pinned_of(staged: Any) -> int:
     if isinstance(staged, Future):
         staged = staged.result()
     seen: dict[int, int] = {}
-    for t in _tensors(staged):
+    for t in tensors(staged):
         if t.is_pinned():
             s = t.untyped_storage()
             seen[s.data_ptr()] = _pinned_footprint(s.nbytes())

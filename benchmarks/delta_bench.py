@@ -75,7 +75,7 @@ import torch.distributed.checkpoint as dcp
 
 import nvdcp
 from benchmarks.common import dir_bytes, fresh_dir, markdown_table, write_results
-from benchmarks.workload import states_equal, tensor_bytes, zeros_like_state
+from benchmarks.workload import states_equal, tensor_bytes, tensors, zeros_like_state
 from nvdcp.demo.model import GPT, GPTConfig, batch_for_step, lr_at, stdlib_bytes
 
 MiB = 1 << 20
@@ -470,7 +470,7 @@ def warm_up(variant: str, state: dict[str, Any], root: str, args: argparse.Names
     dcp.save(state, storage_writer=nvdcp.NvcompWriter(os.path.join(folder, "full")), no_dist=True)
     policy = nvdcp.DeltaPolicy(full_every=2, min_gain=args.min_gain)
     nudged = clone_state(state)
-    for t in _tensors(nudged):
+    for t in tensors(nudged):
         if t.is_floating_point() and t.numel():
             t.view(-1)[0] += 1
     for i, s in enumerate((state, nudged)):
@@ -484,16 +484,6 @@ def warm_up(variant: str, state: dict[str, Any], root: str, args: argparse.Names
     policy.forget()
     shutil.rmtree(folder, ignore_errors=True)
     return time.perf_counter() - t0
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
-    return []
 
 
 # -- targets and report ------------------------------------------------------------------------

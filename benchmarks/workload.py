@@ -28,6 +28,17 @@ def to_bf16(state: dict[str, Any]) -> dict[str, Any]:
     return cast(state)
 
 
+def tensors(obj: Any) -> list[torch.Tensor]:
+    """Every tensor in a nested state (dicts, lists, tuples), in order."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in tensors(v)]
+    return []
+
+
 def tensor_bytes(state: Any) -> int:
     if isinstance(state, torch.Tensor):
         return state.numel() * state.element_size()

@@ -12,7 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import nvdcp
-from tests.golden.make_golden import CODECS, digest, golden_state
+from tests.golden.make_golden import CODECS, digest, golden_state, golden_target
 
 GOLDEN = Path(__file__).parents[1] / "golden" / "v1"
 
@@ -48,21 +48,11 @@ def test_golden_files_pass_verification(codec: str) -> None:
     assert report.ok, report.damaged
 
 
-def _golden_target() -> dict[str, object]:
-    sd = golden_state()
-    for v in sd.values():
-        if isinstance(v, torch.Tensor):
-            v.zero_() if v.dtype != torch.bool else v.fill_(False)
-    sd["extra"] = io.BytesIO()
-    sd["step"] = 0
-    return sd
-
-
 def test_gpu_written_checkpoint_loads_on_the_cpu() -> None:
     """Written on the H200 with the default codec (GDeflate planes by nvCOMP); decoded here by
     libnvcomp_cpu when this machine has no GPU."""
     expected = json.loads((GOLDEN / "expected.json").read_text())
-    sd = _golden_target()
+    sd = golden_target()
     from nvdcp.gpu.config import GpuConfig
 
     dcp.load(sd, storage_reader=nvdcp.NvcompReader(GOLDEN / "gpu_auto", gpu=GpuConfig(decode_device="cpu")))
@@ -82,7 +72,7 @@ def test_gpu_only_codec_without_gpu_is_refused_by_name() -> None:
     if gpu_available():
         pytest.skip("this machine can decode ANS")
     with pytest.raises(CheckpointException) as info:
-        dcp.load(_golden_target(), storage_reader=nvdcp.NvcompReader(GOLDEN / "gpu_ans"))
+        dcp.load(golden_target(), storage_reader=nvdcp.NvcompReader(GOLDEN / "gpu_ans"))
     from tests.dcp.helpers import failure_of
 
     err = failure_of(info.value)

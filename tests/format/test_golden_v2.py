@@ -4,7 +4,6 @@ today's writer still produces their delta records byte for byte (tests/golden/ma
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import pickle
 import shutil
@@ -22,23 +21,20 @@ from nvdcp.format.digest import digest_of_header
 from nvdcp.format.dtypes import code_dtype
 from nvdcp.format.header import parse_item_header
 from tests.dcp.helpers import failure_of
-from tests.golden.make_golden import V2_DELTA_ITEMS, digest, golden_state, golden_state_v2, record_bytes
+from tests.golden.make_golden import (
+    V2_DELTA_ITEMS,
+    digest,
+    golden_state,
+    golden_state_v2,
+    golden_target,
+    record_bytes,
+)
 
 GOLDEN = Path(__file__).parents[1] / "golden" / "v2"
 
 
 def _expected() -> dict:
     return json.loads((GOLDEN / "expected.json").read_text())
-
-
-def _target() -> dict[str, object]:
-    sd = golden_state()
-    for v in sd.values():
-        if isinstance(v, torch.Tensor):
-            v.zero_() if v.dtype != torch.bool else v.fill_(False)
-    sd["extra"] = io.BytesIO()
-    sd["step"] = 0
-    return sd
 
 
 def _check(sd: dict[str, object], expected: dict[str, str], step: int) -> None:
@@ -52,7 +48,7 @@ def _check(sd: dict[str, object], expected: dict[str, str], step: int) -> None:
 
 @pytest.mark.parametrize(("name", "step"), [("base", 42), ("delta", 43)])
 def test_golden_v2_checkpoints_decode(name: str, step: int) -> None:
-    sd = _target()
+    sd = golden_target()
     dcp.load(sd, storage_reader=nvdcp.NvcompReader(GOLDEN / name))
     _check(sd, _expected()[name], step)
 
@@ -120,10 +116,10 @@ def test_golden_v2_files_pass_verification() -> None:
 def test_golden_v2_delta_without_its_base_names_it(tmp_path: Path) -> None:
     shutil.copytree(GOLDEN / "delta", tmp_path / "delta")
     with pytest.raises(CheckpointException) as info:
-        dcp.load(_target(), storage_reader=nvdcp.NvcompReader(tmp_path / "delta"))
+        dcp.load(golden_target(), storage_reader=nvdcp.NvcompReader(tmp_path / "delta"))
     err = failure_of(info.value)
     assert isinstance(err, nvdcp.MissingBaseError) and "base" in str(err)
     shutil.copytree(GOLDEN / "base", tmp_path / "base")  # next to it again: found by its relative location
-    sd = _target()
+    sd = golden_target()
     dcp.load(sd, storage_reader=nvdcp.NvcompReader(tmp_path / "delta"))
     _check(sd, _expected()["delta"], 43)

@@ -59,6 +59,17 @@ def golden_state() -> dict[str, object]:
     }
 
 
+def golden_target() -> dict[str, object]:
+    """A state shaped like :func:`golden_state` with every value zeroed: what a load fills."""
+    sd = golden_state()
+    for v in sd.values():
+        if isinstance(v, torch.Tensor):
+            v.zero_() if v.dtype != torch.bool else v.fill_(False)
+    sd["extra"] = io.BytesIO()
+    sd["step"] = 0
+    return sd
+
+
 def digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
