@@ -326,6 +326,16 @@ class NvcompReader(StorageReader):
         t0 = time.perf_counter()
         chain = self._chain_records(index)
         t1 = time.perf_counter()
+        header, out = self._decode_chain(index, chain, out)
+        if report is not None:
+            stored = sum(len(record) for _, record, _, _ in chain)
+            report.add(header.raw_nbytes, stored, read_s=t1 - t0, decode_s=time.perf_counter() - t1)
+        return header, out
+
+    def _decode_chain(self, index: MetadataIndex, chain: list[_Level], out: np.ndarray | None,
+                      ) -> tuple[ItemHeader, np.ndarray]:
+        """Decode a checked chain (:meth:`_chain_records`): the full record into ``out``, then each
+        delta applied, nearest base first. Returns the top record's header and the bytes."""
         header = chain[0][2]
         if out is not None and out.size != header.raw_nbytes:
             raise CorruptCheckpointError(f"{chain[0][3]}: {header.raw_nbytes} stored bytes for a {out.size}-byte destination")
@@ -336,9 +346,6 @@ class NvcompReader(StorageReader):
         for _, record, level, where in reversed(chain[:-1]):
             _, delta = decode_item(record, where, pool, level.n_planes if level.transform else 1, crcs_checked=True)
             delta_transform.apply_np(out, delta, level.delta_kind, element_size)
-        if report is not None:
-            stored = sum(len(record) for _, record, _, _ in chain)
-            report.add(header.raw_nbytes, stored, read_s=t1 - t0, decode_s=time.perf_counter() - t1)
         return header, out
 
     def decode_record(self, index: MetadataIndex, report: Report | None = None) -> ItemHeader:
@@ -359,29 +366,67 @@ class NvcompReader(StorageReader):
             report.add(header.raw_nbytes, length, read_s=t1 - t0, decode_s=time.perf_counter() - t1)
         return header
 
-    def _chain_records(self, index: MetadataIndex) -> list[tuple[NvcompReader, memoryview, ItemHeader, str]]:
+    def _chain_records(self, index: MetadataIndex) -> list[_Level]:
         """``index``'s record in this checkpoint and in each base it needs, nearest first, all
         checked (see :meth:`item_raw`): ``(reader, record, header, where)`` per level."""
-        levels: list[tuple[NvcompReader, memoryview, ItemHeader, str]] = []
+        levels: list[_Level] = []
         reader = self
         while True:
             name, offset, length = reader.record_of(index)
             where = reader.where(index)
             with _naming_item(where):
                 record = memoryview(reader.storage.read_range(name, offset, length))
-            header = verify_chunks(record, where)
-            dtype, shape = reader.expected(index)
-            element_size = _element_size(dtype)
-            check_decodable(header, element_size, where)
-            delta = descriptor.is_delta(reader._record(index))
-            reader._check_against_metadata(header, dtype, shape, element_size, where, delta)
-            if levels:
-                above, _, above_header, above_where = levels[-1]
-                above._check_base_digest(reader, index, above_header, header, above_where)
-            levels.append((reader, record, header, where))
-            if not header.is_delta:
+            reader._check_level(index, record, where, levels)
+            if not levels[-1][2].is_delta:
                 return levels
             reader = reader._checked_base(index, where)
+
+    def _check_level(self, index: MetadataIndex, record: memoryview, where: str, levels: list[_Level]) -> None:
+        """Check one record of an item's chain (header, every chunk CRC32C, decodability, dtype,
+        shape and delta flag against ``.metadata``, its digest against the level above) and
+        append it to ``levels``."""
+        header = verify_chunks(record, where)
+        dtype, shape = self.expected(index)
+        element_size = _element_size(dtype)
+        check_decodable(header, element_size, where)
+        self._check_against_metadata(header, dtype, shape, element_size, where, descriptor.is_delta(self._record(index)))
+        if levels:
+            above, _, above_header, above_where = levels[-1]
+            above._check_base_digest(self, index, above_header, header, above_where)
+        levels.append((self, record, header, where))
+
+    def _load_delta_group_cpu(self, indexes: list[MetadataIndex], report: Report,
+                              targets: dict[MetadataIndex, tuple[torch.Tensor, np.ndarray]],
+                              ) -> list[tuple[MetadataIndex, ItemHeader, Any]]:
+        """Rebuild a group of delta items on the host: each level of their chains read in runs of
+        nearby records (one read per run, not per item and level), every record checked, then
+        each item decoded (into its destination when ``targets`` has one) and its deltas applied."""
+        t0 = time.perf_counter()
+        chains: dict[MetadataIndex, list[_Level]] = {ix: [] for ix in indexes}
+        reader, pending = self, list(indexes)
+        while pending:
+            places = [reader._place(ix) for ix in pending]
+            for index, place, record in zip(pending, places, reader._read_record_runs(places)):
+                where = reader.where(index)
+                if record is None:
+                    with _naming_item(where):
+                        record = memoryview(reader.storage.read_range(*place))
+                reader._check_level(index, record, where, chains[index])
+            pending = [ix for ix in pending if chains[ix][-1][2].is_delta]
+            if pending:
+                base = reader._checked_base(pending[0], chains[pending[0]][-1][3])
+                for index in pending[1:]:
+                    base._require_item(index, chains[index][-1][3])
+                reader = base
+        t1 = time.perf_counter()
+        out: list[tuple[MetadataIndex, ItemHeader, Any]] = []
+        for index in indexes:
+            found = targets.get(index)
+            header, raw = self._decode_chain(index, chains[index], found[1] if found else None)
+            out.append((index, header, _InPlace(found[0]) if found else raw))
+        stored = sum(len(record) for chain in chains.values() for _, record, _, _ in chain)
+        report.add(sum(h.raw_nbytes for _, h, _ in out), stored, read_s=t1 - t0, decode_s=time.perf_counter() - t1)
+        return out
 
     def _require_item(self, index: MetadataIndex, where: str) -> None:
         """A base must hold the item its delta was saved against."""
@@ -409,8 +454,9 @@ class NvcompReader(StorageReader):
                      report: Report, by_item: dict[MetadataIndex, list[ReadItem]], planner: LoadPlanner,
                      ) -> Iterator[tuple[MetadataIndex, ItemHeader, Any]]:
         """Delta items, each rebuilt from its chain on the I/O threads (on its decode device's
-        GPU in batches when it has one, :meth:`_load_delta_batch_gpu`; else :meth:`item_raw`, straight into the
-        destination when one request wants the whole item in a dense CPU tensor)."""
+        GPU in batches when it has one, :meth:`_load_delta_batch_gpu`; else in groups on the host,
+        :meth:`_load_delta_group_cpu`, straight into the destination when one request wants the
+        whole item in a dense CPU tensor)."""
         if not indexes:
             return
         # destinations resolved here, on the calling thread (see _fetch_and_decode)
@@ -427,20 +473,28 @@ class NvcompReader(StorageReader):
             if flat is not None:
                 targets[index] = (target, flat)
 
-        def rebuild(index: MetadataIndex) -> list[tuple[MetadataIndex, ItemHeader, Any]]:
-            found = targets.get(index)
-            if found is not None:
-                header, _ = self.item_raw(index, report, found[1])
-                return [(index, header, _InPlace(found[0]))]
-            return [(index, *self.item_raw(index, report))]
-
         gpu_slots = threading.BoundedSemaphore(self.gpu_threads)
         with ThreadPoolExecutor(self.thread_count, thread_name_prefix="nvdcp-delta") as pool:
-            futures = [pool.submit(rebuild, ix) for ix in indexes if devices.get(ix) is None]
+            futures = [pool.submit(self._load_delta_group_cpu, group, report, targets)
+                       for group in self._delta_groups([ix for ix in indexes if devices.get(ix) is None])]
             for device, batch in self._delta_batches([ix for ix in indexes if devices.get(ix) is not None], devices):
                 futures.append(pool.submit(_holding, gpu_slots, self._load_delta_batch_gpu, batch, device, report))
             for fut in futures:
                 yield from fut.result()
+
+    def _delta_groups(self, indexes: list[MetadataIndex]) -> list[list[MetadataIndex]]:
+        """Host-decoded delta items in groups of about ``DELTA_GROUP_BYTES`` of stored records
+        (at most ``DELTA_GROUP_ITEMS``), in file order: the units of :meth:`_load_delta_group_cpu`."""
+        groups: list[list[MetadataIndex]] = [[]]
+        size = 0
+        for index in indexes:
+            length = self._record(index).length
+            if groups[-1] and (size + length > DELTA_GROUP_BYTES or len(groups[-1]) >= DELTA_GROUP_ITEMS):
+                groups.append([])
+                size = 0
+            groups[-1].append(index)
+            size += length
+        return [g for g in groups if g]
 
     def _delta_batches(self, indexes: list[MetadataIndex], devices: dict[MetadataIndex, torch.device | None],
                        ) -> list[tuple[torch.device, list[MetadataIndex]]]:
@@ -1140,6 +1194,11 @@ class NvcompReader(StorageReader):
         planner.commit_tensor(req, target)
 
 
+#: One level of an item's chain: the reader of that checkpoint, the record, its header, its name.
+_Level = tuple["NvcompReader", memoryview, ItemHeader, str]
+#: Host-decoded delta items are rebuilt in groups of about this many stored bytes (or items).
+DELTA_GROUP_BYTES = 16 << 20
+DELTA_GROUP_ITEMS = 1024
 #: GPU batches read records up to this size in runs (see NvcompReader._read_record_runs).
 RUN_RECORD_BYTES = 1 << 20
 RUN_GAP_BYTES = 64 << 10

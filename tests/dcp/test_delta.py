@@ -722,3 +722,28 @@ def test_the_cache_never_allocates_more_than_its_budget() -> None:
         assert g is not None
         g.data.fill_(7)
     assert all(int(g.data.sum()) == 7 * 1000 for g in got[:3] if g is not None)
+
+
+def test_host_loads_rebuild_deltas_in_groups_of_items_with_chains_of_different_depths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Groups of 3 items: most items are deltas two levels deep, one was stored whole in the
+    middle save (fresh values), one only exists from the middle save on (a delta one level deep)."""
+    from nvdcp.dcp import reader as reader_mod
+
+    monkeypatch.setattr(reader_mod, "DELTA_GROUP_ITEMS", 3)
+    policy = nvdcp.DeltaPolicy(full_every=8)
+    sd: dict[str, Any] = {f"w{i}": weights_like((64, 50), seed=i) for i in range(8)}
+    save(sd, tmp_path / "s0", delta=policy)
+    for i in range(8):
+        sd[f"w{i}"] = sd[f"w{i}"] + 1e-4
+    sd["w3"] = random_tensor(torch.float32, (64, 50), seed=99)  # stored whole in s1
+    sd["new"] = weights_like((300,), seed=50)
+    save(sd, tmp_path / "s1", delta=policy)
+    for i in range(8):
+        sd[f"w{i}"] = sd[f"w{i}"] + 1e-4
+    sd["new"] = sd["new"] + 1e-4
+    save(sd, tmp_path / "s2", delta=policy)
+    # w0: two levels deep; new: one (stored whole in s1); w3: whole in s1 and, skipped, in s2
+    assert {"w0", "new"} <= _delta_fqns(tmp_path / "s2") and "w3" not in _delta_fqns(tmp_path / "s1")
+    _load_check(tmp_path / "s2", _snapshot(sd))
