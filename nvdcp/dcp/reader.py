@@ -341,10 +341,10 @@ class NvcompReader(StorageReader):
             raise CorruptCheckpointError(f"{chain[0][3]}: {header.raw_nbytes} stored bytes for a {out.size}-byte destination")
         pool = self._codec_pool()
         _, record, root, where = chain[-1]
-        _, out = decode_item(record, where, pool, root.n_planes if root.transform else 1, out, crcs_checked=True)
+        _, out = decode_item(record, where, pool, out=out, checked=root)
         element_size = _element_size(self.expected(index)[0])
         for _, record, level, where in reversed(chain[:-1]):
-            _, delta = decode_item(record, where, pool, level.n_planes if level.transform else 1, crcs_checked=True)
+            _, delta = decode_item(record, where, pool, checked=level)
             delta_transform.apply_np(out, delta, level.delta_kind, element_size)
         return header, out
 
@@ -407,7 +407,7 @@ class NvcompReader(StorageReader):
         while pending:
             places = [reader._place(ix) for ix in pending]
             for index, place, record in zip(pending, places, reader._read_record_runs(places)):
-                where = reader.where(index)
+                where = cast(str, _LazyWhere(reader, index))  # formatted only into an error message
                 if record is None:
                     with _naming_item(where):
                         record = memoryview(reader.storage.read_range(*place))
@@ -1441,7 +1441,7 @@ def _naming_item(where: object) -> Iterator[None]:
 
 @functools.cache
 def _element_size(dtype: torch.dtype | None) -> int:
-    return torch.empty((), dtype=dtype).element_size() if dtype is not None else 1
+    return dtype.itemsize if dtype is not None else 1
 
 
 def _holding(slots: threading.BoundedSemaphore, fn: Callable[..., _T], *args: Any) -> _T:

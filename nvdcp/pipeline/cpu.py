@@ -474,16 +474,18 @@ def verify_chunks(record: memoryview, where: str) -> ItemHeader:
 
 def decode_item(
     record: memoryview, where: str, pool: Executor | None, element_size: int = 1, out: np.ndarray | None = None,
-    crcs_checked: bool = False,
+    checked: ItemHeader | None = None,
 ) -> tuple[ItemHeader, np.ndarray]:
     """Verify and decode one stored item record; returns its header and raw bytes (flat uint8:
     ``out`` when given, which must hold exactly the item's raw bytes).
 
-    Every chunk's CRC32C is checked (in one batched call) before any bytes reach a decoder
-    (``crcs_checked``: the caller did, with :func:`verify_chunks`).
+    Every chunk's CRC32C is checked (in one batched call) before any bytes reach a decoder.
+    ``checked``: the record's header, which the caller already parsed and checked with every
+    chunk's CRC32C (:func:`verify_chunks`) and :func:`check_decodable`: none of it is redone.
     """
-    header = parse_item_header(record, where)
-    check_decodable(header, element_size, where)
+    header = checked if checked is not None else parse_item_header(record, where)
+    if checked is None:
+        check_decodable(header, element_size, where)
     if out is None:
         out = np.empty(header.raw_nbytes, dtype=np.uint8)
     elif out.size != header.raw_nbytes:
@@ -493,7 +495,7 @@ def decode_item(
     buf = np.frombuffer(record, dtype=np.uint8)
     sizes, crcs = chunk_table(record, header)
     starts = chunk_starts(sizes, header.header_bytes)
-    if not crcs_checked:
+    if checked is None:
         check_crcs(buf, starts, sizes, crcs, lambda i: describe_chunk(where, i, header.n_planes))
     spans = _block_spans(header)
     args = (header, buf, starts.tolist(), sizes.tolist(), out)
