@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
@@ -356,21 +357,18 @@ class DeltaSave:
         todo = [(ix, t) for ix, t in items if t.numel() and cache.lookup(ix, ref.save_id, t.dtype, tuple(t.shape)) is None]
         if not todo:
             return
-        reader = self._reader()
-        assert reader.metadata is not None
+        self._reader()  # opened once, before the threads
 
         def fetch(index: MetadataIndex, tensor: torch.Tensor) -> None:
             dtype, shape = tensor.dtype, tuple(tensor.shape)
-            info = reader.metadata.storage_data.get(index)
-            if info is None or not is_nvdcp_record(info) or reader.expected(index) != (dtype, shape):
+            if self._base_record(index, dtype, shape) is None:
                 return  # no such item in the base: stored whole
             entry = cache.slot(index, tensor.numel() * tensor.element_size(), dtype, shape, self.pin)
             if entry is None:
-                return
+                return  # beyond the budget: read by prepare()
             entry.save_id = None
-            header, _ = reader.item_raw(index, out=entry.data.numpy())
-            entry.digest, entry.skip = digest_of_header(header), 0
-            entry.whole_nbytes = None if header.is_delta else info.length
+            _, digest, whole = self._read_base(index, dtype, shape, out=entry.data.numpy())
+            entry.digest, entry.skip, entry.whole_nbytes = digest or 0, 0, whole
             entry.save_id = ref.save_id  # now a hit for prepare()
 
         with ThreadPoolExecutor(max(1, min(threads, len(todo))), thread_name_prefix="nvdcp-base") as pool:
@@ -420,17 +418,25 @@ class DeltaSave:
             self._touched.append(keep)
         return DeltaTensor(tensor, DeltaInput(None, None, keep.data, keep.whole_nbytes, self.min_gain))
 
-    def _read_base(self, index: MetadataIndex, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[torch.Tensor | None, int | None, int | None]:
-        """The base item read back from storage (its chain resolved): bytes, digest, whole size."""
+    def _read_base(self, index: MetadataIndex, dtype: torch.dtype, shape: tuple[int, ...],
+                   out: np.ndarray | None = None) -> tuple[torch.Tensor | None, int | None, int | None]:
+        """The base item read back from storage (its chain resolved; into ``out`` when given):
+        bytes, digest, whole size; ``(None, None, None)`` when the base has no such item."""
+        info = self._base_record(index, dtype, shape)
+        if info is None:
+            return None, None, None  # no such item there: stored whole
+        header, raw = self._reader().item_raw(index, out=out)
+        whole = None if header.is_delta else info.length
+        return torch.from_numpy(raw), digest_of_header(header), whole
+
+    def _base_record(self, index: MetadataIndex, dtype: torch.dtype, shape: tuple[int, ...]) -> Any:
+        """The base's nvdcp record of ``index`` when it has that dtype and shape, else None."""
         reader = self._reader()
         assert reader.metadata is not None
         info = reader.metadata.storage_data.get(index)
-        expected = reader.expected(index) if info is not None else (None, None)
-        if info is None or not is_nvdcp_record(info) or expected != (dtype, shape):
-            return None, None, None  # no such item there: stored whole
-        header, raw = reader.item_raw(index)
-        whole = None if header.is_delta else info.length
-        return torch.from_numpy(raw), digest_of_header(header), whole
+        if info is None or not is_nvdcp_record(info) or reader.expected(index) != (dtype, shape):
+            return None
+        return info
 
     def _reader(self) -> Any:
         with self._lock:
