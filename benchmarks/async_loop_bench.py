@@ -33,6 +33,7 @@ back bit for bit. Writes ``async_loop_bench_<date>.json`` (with the date, machin
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -67,6 +68,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warm-steps", type=int, default=30, help="steps before the first save (undisturbed)")
     p.add_argument("--variants", default="nvdcp,default_stager,nvdcp_cold")
     p.add_argument("--thread-count", type=int, default=4)
+    p.add_argument("--gc-freeze", action="store_true",
+                   help="gc.freeze() after setup (a recipe: full collections skip the model's objects)")
     p.add_argument("--small", action="store_true", help="tiny CPU config (smoke test)")
     args = p.parse_args(argv)
     if args.small:
@@ -125,6 +128,29 @@ def _pinned_of(staged: Any) -> int:
             s = t.untyped_storage()
             seen[s.data_ptr()] = _pinned_footprint(s.nbytes())
     return sum(seen.values())
+
+
+class GcPauses:
+    """Garbage-collector pauses (every thread stops for them), from ``gc.callbacks``."""
+
+    def __init__(self, min_s: float = 0.005) -> None:
+        self.min_s = min_s
+        self.pauses: list[tuple[float, float, int]] = []  # (start, seconds, generation)
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        now = time.perf_counter()
+        if phase == "start":
+            self._start = now
+        elif now - self._start >= self.min_s:
+            self.pauses.append((self._start, now - self._start, int(info.get("generation", -1))))
+
+    def between(self, t0: float, t1: float) -> list[dict[str, Any]]:
+        return [{"at_s": round(a - t0, 4), "seconds": round(d, 4), "generation": g}
+                for a, d, g in self.pauses if t0 <= a < t1]
+
+
+GC = GcPauses()
 
 
 class Variant:
@@ -194,6 +220,7 @@ def run_variant(name: str, loop: Loop, args: argparse.Namespace, root: str, grou
         upload.add_done_callback(lambda _f: done_at.append(time.perf_counter()))
         staging = response.staging_completion if isinstance(response, AsyncSaveResponse) else None
         staging_wait = 0.0
+        host_times: list[float] = []
         for i in range(args.every):
             t0 = t_call if i == 0 else time.perf_counter()
             running = not upload.done()
@@ -206,6 +233,7 @@ def run_variant(name: str, loop: Loop, args: argparse.Namespace, root: str, grou
                     staging_wait += time.perf_counter() - w0
 
             loop.step(wait_staging if i == 0 else None)
+            host_times.append(time.perf_counter() - t0)  # until the step's kernels were queued
             loop.sync()
             dt = time.perf_counter() - t0
             step_times.append(dt)
@@ -217,6 +245,8 @@ def run_variant(name: str, loop: Loop, args: argparse.Namespace, root: str, grou
         variant.after_upload()
         rec["extra_s"] = sum(step_times) - base * len(step_times)
         rec["step_s"] = [round(t, 4) for t in step_times]
+        rec["step_host_s"] = [round(t, 4) for t in host_times]
+        rec["gc_pauses"] = GC.between(t_call, time.perf_counter())
         rec["staging_wait_s"] = staging_wait
         rec["durable_s"] = (done_at[0] if done_at else time.perf_counter()) - t_call
         rec["upload_steps"] = len(uploading)
@@ -226,8 +256,11 @@ def run_variant(name: str, loop: Loop, args: argparse.Namespace, root: str, grou
             rec.update(snapshot_s=st.snapshot_seconds, background_s=st.background_seconds, stage_call_s=st.seconds,
                        grown_bytes=st.grown_bytes, staged_bytes=st.staged_bytes, sync_shards=st.sync_shards)
         saves.append(rec)
+        worst = max(range(len(step_times)), key=step_times.__getitem__)
         print(f"  {name} save {k}: extra {rec['extra_s']:.3f}s call {rec['call_s']:.3f}s "
-              f"durable {rec['durable_s']:.3f}s upload-median x{rec['upload_median_over_base'] or 0:.3f}", flush=True)
+              f"durable {rec['durable_s']:.3f}s upload-median x{rec['upload_median_over_base'] or 0:.3f}; "
+              f"worst step {worst} {step_times[worst]:.3f}s (host {host_times[worst]:.3f}s); "
+              f"gc pauses {[(p['at_s'], p['seconds'], p['generation']) for p in rec['gc_pauses']]}", flush=True)
     exact = verify(variant, loop)
     variant.close()
     gb = loop.state_bytes() / GB
@@ -286,6 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(3):
         loop.step()
     loop.sync()
+    gc.callbacks.append(GC)
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()
     print(f"state {loop.state_bytes() / GB:.2f} GB on {device}; saves every {args.every} steps", flush=True)
     rows = [run_variant(name, loop, args, root, group) for name in args.variants.split(",")]
     by = {r["variant"]: r for r in rows}

@@ -853,15 +853,16 @@ class NvcompStager:
         buffers = buffers or self._buffers
         assert buffers is not None
         total = sum(len(c) for c in encoded.chunks)
-        buf = buffers.alloc(total).numpy().data if total else memoryview(b"")
-        views: list[bytes | memoryview] = []
+        if not total:
+            return EncodedItem(encoded.header, encoded.header_bytes, [])
+        buf = buffers.alloc(total).numpy().data
         pos = 0
         for c in encoded.chunks:
-            n = len(c)
-            buf[pos : pos + n] = c
-            views.append(buf[pos : pos + n])
-            pos += n
-        return EncodedItem(encoded.header, encoded.header_bytes, views)
+            buf[pos : pos + len(c)] = c
+            pos += len(c)
+        # The chunks lie back to back: one view holds them all (the writer only needs their
+        # concatenation), not one garbage-collected object per chunk (nvdcp.pipeline.chunks).
+        return EncodedItem(encoded.header, encoded.header_bytes, [buf])
 
     # -- GPU compression -------------------------------------------------------------------------
     def _encode_on_gpu(self, jobs: list[GpuJob], stats: StageStats, buffers: HostBuffers) -> None:

@@ -36,6 +36,7 @@ from nvdcp.gpu import crc32c
 from nvdcp.gpu.allocator import install_allocator
 from nvdcp.gpu.nvcomp_codecs import CodecCache, typed_data_type
 from nvdcp.gpu.pinned import PinnedPool
+from nvdcp.pipeline.chunks import ChunkSpans
 from nvdcp.pipeline.cpu import EncodedItem
 from nvdcp.pipeline.delta import DeltaInput
 from nvdcp.pipeline.policy import Layout
@@ -125,13 +126,17 @@ class HostBucket:
 
     def views(self) -> list[memoryview]:
         """Each slot's stored bytes (host work: kept off the path that blocks training)."""
-        views: list[memoryview] = []
-        offsets, stored = self.offsets.tolist(), self.stored.tolist()
-        for host, lo, hi in self.runs:
-            mv = host.numpy().data if host.numel() else memoryview(b"")
-            a = offsets[lo]
-            views.extend(mv[offsets[i] - a : offsets[i] - a + stored[i]] for i in range(lo, hi))
-        return views
+        return list(self.spans(0, len(self.stored)))
+
+    def spans(self, lo: int, hi: int) -> ChunkSpans:
+        """Slots ``lo..hi-1``'s stored bytes, as spans of the host buffers (no view per slot)."""
+        spans = ChunkSpans()
+        for host, run_lo, run_hi in self.runs:
+            a, b = max(lo, run_lo), min(hi, run_hi)
+            if a < b:
+                buffer = host.numpy().data if host.numel() else memoryview(b"")
+                spans.add(buffer, self.offsets[a:b] - self.offsets[run_lo], self.stored[a:b])
+        return spans
 
 
 @dataclass
@@ -460,34 +465,35 @@ class GpuEncoder:
             yield self._to_host(prev, sink)
 
     # -- host work -----------------------------------------------------------------------------
-    def _bucket_items(self, jobs: list[GpuJob], hb: HostBucket, partial: dict[int, list],
+    def _bucket_items(self, jobs: list[GpuJob], hb: HostBucket, partial: dict[int, tuple[ChunkSpans, list[int]]],
                       copy_partial: bool) -> Iterator[tuple[GpuJob, EncodedItem]]:
         c = self.chunk_bytes
-        views = hb.views()
         crcs = hb.checksums()
         for seg in hb.bucket.segments:
             job = jobs[seg.job]
-            first = seg.first_slot
-            chunks = [(views[i], crcs[i]) for i in range(first, first + seg.n_blocks * job.n_planes)]
+            lo = seg.first_slot
+            hi = lo + seg.n_blocks * job.n_planes
+            spans, seg_crcs = hb.spans(lo, hi), crcs[lo:hi]
             whole = seg.first_block == 0 and (seg.first_block + seg.n_blocks) * c >= job.elements
             if not whole:
                 # Spans buckets; with copy_partial its bytes must outlive this bucket's buffer.
-                partial.setdefault(seg.job, []).extend((bytes(v), crc) if copy_partial else (v, crc)
-                                                       for v, crc in chunks)
+                held = partial.setdefault(seg.job, (ChunkSpans(), []))
+                held[0].extend(spans.copied() if copy_partial else spans)
+                held[1].extend(seg_crcs)
                 if (seg.first_block + seg.n_blocks) * c < job.elements:
                     continue
-                chunks = partial.pop(seg.job)
-            yield job, self._item(job, chunks)
+                spans, seg_crcs = partial.pop(seg.job)
+            yield job, self._item(job, spans, seg_crcs)
 
-    def _item(self, job: GpuJob, chunks: list[tuple[Any, int]]) -> EncodedItem:
+    def _item(self, job: GpuJob, spans: ChunkSpans, crcs: list[int]) -> EncodedItem:
         header = ItemHeader(
             kind=job.kind, dtype_code=job.dtype_code, shape=job.shape, raw_nbytes=job.data.numel(),
             transform=job.layout.transform, plane_codecs=tuple(codec_id(n) for n in job.layout.plane_codecs),
-            chunks=tuple((len(v), crc) for v, crc in chunks), chunk_bytes=self.chunk_bytes,
+            chunks=tuple(zip(spans.sizes.tolist(), crcs)), chunk_bytes=self.chunk_bytes,
             base_digest=job.delta.base_digest if job.delta is not None else None,
             delta_kind=delta_transform.kind_for(job.dtype) if job.delta is not None else 0,
         )
-        return EncodedItem(header, header.pack(), [v for v, _ in chunks])
+        return EncodedItem(header, header.pack(), spans)
 
     # -- entry points --------------------------------------------------------------------------
     def encode(self, jobs: list[GpuJob], ready: torch.cuda.Event | None = None) -> Iterator[tuple[GpuJob, EncodedItem]]:
@@ -516,7 +522,7 @@ class GpuEncoder:
         iterator ended or raised; closing the iterator early returns them all at once (the
         caller must be done with every record by then). ``ready``: as :meth:`encode`.
         """
-        partial: dict[int, list] = {}
+        partial: dict[int, tuple[ChunkSpans, list[int]]] = {}
         sink = _PooledSink(self.pinned, depth)
         ready_buckets: queue.Queue[HostBucket | BaseException | None] = queue.Queue()
 
@@ -581,7 +587,7 @@ class GpuEncoder:
 
         Their chunks view the sink's memory, which must stay untouched while they are in use.
         """
-        partial: dict[int, list] = {}
+        partial: dict[int, tuple[ChunkSpans, list[int]]] = {}
         for hb in buckets:
             yield from self._bucket_items(jobs, hb, partial, copy_partial=False)
 

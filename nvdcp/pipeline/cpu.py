@@ -113,7 +113,7 @@ class EncodedItem:
 
     header: ItemHeader
     header_bytes: bytes
-    chunks: list[bytes | memoryview]
+    chunks: Sequence[bytes | memoryview]  # a list, or ChunkSpans (GPU records: no object per chunk)
     #: a delta whose XOR is all zero: the item equals its base item (the stale-save check)
     unchanged: bool = False
 

@@ -4,6 +4,7 @@ bounds, waiting for the previous save, pickling (PROCESS mode), async_save end t
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import pickle
 import threading
@@ -20,7 +21,7 @@ from torch.distributed.checkpoint.default_planner import create_default_local_sa
 from torch.distributed.checkpoint.staging import AsyncStager
 
 import nvdcp
-from nvdcp.dcp.stager import HostBuffers, NvcompStager, StagedShard, StagedTensor
+from nvdcp.dcp.stager import HostBuffers, NvcompStager, StagedShard, StagedTensor, release_staged
 from nvdcp.pipeline.encoder import ItemEncoder
 from tests.conftest import bit_equal
 
@@ -333,3 +334,53 @@ def test_overlapped_gpu_staging_writes_the_records_of_synchronous_staging(tmp_pa
     sizes = [{(k.fqn, tuple(k.offset or ())): v.length  # offset None: the bytes item
               for k, v in nvdcp.NvcompReader(tmp_path / n).read_metadata().storage_data.items()} for n in ("sync", "overlap")]
     assert sizes[0] == sizes[1]
+
+
+def test_staged_records_hold_no_object_per_chunk() -> None:
+    """A staged save lives until its upload ends; objects per chunk in it would be promoted to
+    the collector's oldest generation and trigger full collections that pause the training
+    loop. Records copied into the stager's buffers hold one view per item."""
+    g = torch.Generator().manual_seed(1)
+    sd = {f"t{i}": torch.randn(256 * 1024, generator=g) for i in range(4)}  # 4 MiB, 1 KiB chunks: 4,096 chunks
+    stager = NvcompStager(cpu_mode="compress", chunk_bytes=1024)
+    gc.collect()
+    before = len(gc.get_objects())
+    staged = stager.stage(sd)
+    gc.collect()
+    grown = len(gc.get_objects()) - before
+    shards = [s for t in staged.values() for s in t.staged_shards]
+    assert sum(len(s.encoded.header.chunks) for s in shards) >= 4 * 1024
+    assert all(len(s.encoded.chunks) == 1 for s in shards)
+    assert grown < 400, grown
+    release_staged(shards)
+    stager.close()
+
+
+@pytest.mark.gpu
+def test_gpu_staged_records_hold_no_object_per_chunk(tmp_path: Path) -> None:
+    """Records staged on the GPU view the stager's buffers as spans (ChunkSpans), not as one
+    memoryview per chunk, and still save and load bit-exactly."""
+    from nvdcp.pipeline.chunks import ChunkSpans
+
+    cuda = torch.device("cuda", 0)
+    g = torch.Generator(device=cuda).manual_seed(5)
+    sd = {f"t{i}": torch.randn(1 << 20, device=cuda, generator=g) for i in range(4)}  # 16 MiB, 4 KiB chunks
+    stager = NvcompStager(async_staging=True, chunk_bytes=4096)
+    stager.warm_up(sd)
+    gc.collect()
+    before = len(gc.get_objects())
+    future = stager.stage(sd)
+    assert isinstance(future, Future)
+    staged = future.result()
+    shards = [s for t in staged.values() for s in t.staged_shards]
+    assert all(isinstance(s.encoded.chunks, ChunkSpans) for s in shards)
+    gc.collect()
+    grown = len(gc.get_objects()) - before
+    assert sum(len(s.encoded.header.chunks) for s in shards) >= 4096
+    assert grown < 400, grown
+    dcp.save(staged, storage_writer=nvdcp.NvcompWriter(tmp_path))
+    out = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in sd.items()}
+    dcp.load(out, storage_reader=nvdcp.NvcompReader(tmp_path))
+    for k, v in sd.items():
+        assert bit_equal(out[k], v.cpu()), k
+    stager.close()
