@@ -128,12 +128,14 @@ def single_calls(sleep_s: float) -> list[dict[str, Any]]:
     side = torch.cuda.Stream(dev, priority=0)
     chunk = 1 << 16
     n = 256
-    arena = torch.randint(0, 4, (2 * n * chunk,), dtype=torch.uint8, device=dev)
-    torch.cuda.synchronize()
     codec = nv.Codec(algorithm="GDeflate", bitstream_kind=nv.BitstreamKind.RAW, uncomp_chunk_size=chunk,
                      device_id=0, cuda_stream=side.cuda_stream, algorithm_type=0)
+    probe = nv.as_array(torch.empty(chunk, dtype=torch.uint8, device=dev))
+    cap = -(-int(codec.get_max_comp_buffer_size(probe)) // 256) * 256
+    arena = torch.randint(0, 4, (n * (chunk + cap),), dtype=torch.uint8, device=dev)
+    torch.cuda.synchronize()
     src = nv.as_arrays(arena, [i * chunk for i in range(n)], [chunk] * n, cuda_stream=side.cuda_stream)
-    dst = nv.as_arrays(arena, [(n + i) * chunk for i in range(n)], [chunk] * n, cuda_stream=side.cuda_stream)
+    dst = nv.as_arrays(arena, [n * chunk + i * cap for i in range(n)], [cap] * n, cuda_stream=side.cuda_stream)
     result: list[Any] = []
     row("nvCOMP encode (side stream), first", lambda: result.append(codec.encode(src, out=dst)))
     row("nvCOMP result.buffer_sizes", lambda: result[0].buffer_sizes)

@@ -861,7 +861,7 @@ class NvcompStager:
             buf[pos : pos + len(c)] = c
             pos += len(c)
         # The chunks lie back to back: one view holds them all (the writer only needs their
-        # concatenation), not one garbage-collected object per chunk (nvdcp.pipeline.chunks).
+        # concatenation), not one garbage-collected object per chunk (nvdcp.storage.spans).
         return EncodedItem(encoded.header, encoded.header_bytes, [buf])
 
     # -- GPU compression -------------------------------------------------------------------------

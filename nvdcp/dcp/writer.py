@@ -64,6 +64,7 @@ from nvdcp.pipeline.tensors import tensor_nbytes
 from nvdcp.report import Report
 from nvdcp.storage import Storage, open_storage
 from nvdcp.storage.base import WriteStream
+from nvdcp.storage.spans import ChunkSpans
 from nvdcp.storage.local import LocalStorage
 
 logger = logging.getLogger(__name__)
@@ -787,7 +788,10 @@ class _RecordWriter:
                 self.flush()
         else:
             self.flush()
-            if self.max_run is None:
+            if isinstance(encoded.chunks, ChunkSpans):
+                # Vectored writes straight from the spans (local files): no object per chunk.
+                self.stream.write_spans(encoded.header_bytes, encoded.chunks, parallel=self.max_run is None)
+            elif self.max_run is None:
                 self.stream.writelines([encoded.header_bytes, *encoded.chunks])
             else:
                 self._write_runs([encoded.header_bytes, *encoded.chunks])

@@ -36,7 +36,7 @@ from nvdcp.gpu import crc32c
 from nvdcp.gpu.allocator import install_allocator
 from nvdcp.gpu.nvcomp_codecs import CodecCache, typed_data_type
 from nvdcp.gpu.pinned import PinnedPool
-from nvdcp.pipeline.chunks import ChunkSpans
+from nvdcp.storage.spans import ChunkSpans
 from nvdcp.pipeline.cpu import EncodedItem
 from nvdcp.pipeline.delta import DeltaInput
 from nvdcp.pipeline.policy import Layout

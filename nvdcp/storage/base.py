@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 
 from nvdcp.errors import CorruptCheckpointError
+from nvdcp.storage.spans import ChunkSpans
 
 Buffer = bytes | bytearray | memoryview
 
@@ -51,6 +52,13 @@ class WriteStream(ABC):
     def writelines(self, parts: Iterable[Buffer]) -> None:
         for part in parts:
             self.write(part)
+
+    def write_spans(self, head: Buffer, spans: ChunkSpans, parallel: bool = True) -> None:
+        """Append ``head`` and then every chunk of ``spans`` (a record). Local files override
+        this with vectored writes that make no Python object per chunk; ``parallel``: the
+        write may be split over I/O threads."""
+        self.write(head)
+        self.writelines(spans)
 
 
 class Storage(ABC):

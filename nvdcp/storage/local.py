@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import ctypes
 import errno
 import functools
 import os
@@ -10,6 +11,9 @@ import threading
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
 
 from nvdcp.errors import (
     MissingDataFileError,
@@ -18,6 +22,7 @@ from nvdcp.errors import (
     TruncatedCheckpointError,
 )
 from nvdcp.storage.base import Buffer, Storage, WriteStream, check_name
+from nvdcp.storage.spans import ChunkSpans
 
 
 def _storage_error(exc: OSError, what: str, path: str | None = None) -> StorageError:
@@ -113,6 +118,71 @@ def _pwritev_all(fd: int, offset: int, views: Sequence[memoryview]) -> None:
         i = _consume(pending, i, n)
 
 
+def _libc_pwritev() -> Any:
+    """libc's ``pwritev`` through ctypes (the GIL released during the call), or None."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).pwritev
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
+    fn.restype = ctypes.c_ssize_t
+    return fn
+
+
+_PWRITEV = _libc_pwritev()
+
+
+def _iovecs(head: Buffer, spans: ChunkSpans) -> tuple[np.ndarray, list[np.ndarray]]:
+    """``struct iovec`` rows (address, length) for ``head`` and every chunk of ``spans``, built
+    with numpy (no object per chunk), and the arrays whose memory they point into."""
+    keep = [np.frombuffer(head, dtype=np.uint8)]
+    rows = [np.array([[keep[0].ctypes.data, keep[0].size]], dtype=np.uint64)]
+    for buffer, starts, sizes in spans.parts():
+        arr = np.frombuffer(buffer, dtype=np.uint8)
+        if len(starts) and int(starts[-1] + sizes[-1]) > arr.size:
+            raise ValueError(f"chunk span ends at {int(starts[-1] + sizes[-1])}, past its {arr.size}-byte buffer")
+        keep.append(arr)
+        iov = np.empty((len(sizes), 2), dtype=np.uint64)
+        iov[:, 0] = arr.ctypes.data + starts
+        iov[:, 1] = sizes
+        rows.append(iov)
+    iov = np.concatenate(rows)
+    return np.ascontiguousarray(iov[iov[:, 1] > 0]), keep
+
+
+def _pwritev_rows(fd: int, offset: int, iov: np.ndarray) -> None:
+    """Write iovec rows ``iov`` (modified in place after a short write) at ``offset``."""
+    assert _PWRITEV is not None
+    ends = np.cumsum(iov[:, 1], dtype=np.int64)
+    done, i, n = 0, 0, len(iov)
+    while i < n:
+        count = min(_IOV_MAX, n - i)
+        wrote = _PWRITEV(fd, iov.ctypes.data + i * iov.strides[0], count, offset + done)
+        if wrote < 0:
+            err = ctypes.get_errno()
+            if err == errno.EINTR:
+                continue
+            raise OSError(err, os.strerror(err))
+        done += wrote
+        i = int(np.searchsorted(ends, done, side="right"))
+        if i < n:  # a short write can stop inside a chunk: its rest stays pending
+            left = int(ends[i]) - done
+            if left < int(iov[i, 1]):
+                iov[i, 0] += np.uint64(int(iov[i, 1]) - left)
+                iov[i, 1] = left
+
+
+def _split_rows(iov: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """iovec rows cut at chunk boundaries into up to ``IO_THREADS`` runs of similar size; each
+    run: its byte offset from the first row's start, and its rows."""
+    ends = np.cumsum(iov[:, 1], dtype=np.int64)
+    total = int(ends[-1]) if len(ends) else 0
+    pieces = max(1, min(IO_THREADS, total // PARALLEL_SLICE_BYTES))
+    cuts = np.searchsorted(ends, np.arange(1, pieces) * (-(-total // pieces)), side="left") + 1
+    bounds = [0, *sorted(set(int(c) for c in cuts if 0 < c < len(iov))), len(iov)]
+    return [(int(ends[a - 1]) if a else 0, iov[a:b].copy()) for a, b in zip(bounds, bounds[1:])]
+
+
 def _consume(pending: list[memoryview], i: int, n: int) -> int:
     """Drop ``n`` bytes that a vectored call moved from ``pending[i:]`` (a short call can stop
     inside a buffer: its rest stays pending); returns the first buffer not done."""
@@ -177,6 +247,25 @@ class _LocalWriteStream(WriteStream):
                 _in_parallel([functools.partial(_pwritev_all, fd, pos + at, run) for at, run in _split(views, total)])
         except OSError as exc:
             raise _storage_error(exc, f"writing {self.path}", self.path) from exc
+        self._pos += total
+
+    def write_spans(self, head: Buffer, spans: ChunkSpans, parallel: bool = True) -> None:
+        if _PWRITEV is None:
+            super().write_spans(head, spans, parallel)
+            return
+        iov, keep = _iovecs(head, spans)
+        total = int(iov[:, 1].sum())
+        fd = self._file.fileno()
+        try:
+            if not parallel or total < PARALLEL_MIN_BYTES or IO_THREADS < 2:
+                _pwritev_rows(fd, self._pos, iov)
+            else:
+                pos = self._pos
+                _in_parallel([functools.partial(_pwritev_rows, fd, pos + at, rows) for at, rows in _split_rows(iov)])
+        except OSError as exc:
+            raise _storage_error(exc, f"writing {self.path}", self.path) from exc
+        finally:
+            del keep  # the buffers the rows point into lived until every call returned
         self._pos += total
 
     def commit(self) -> None:

@@ -360,7 +360,7 @@ def test_staged_records_hold_no_object_per_chunk() -> None:
 def test_gpu_staged_records_hold_no_object_per_chunk(tmp_path: Path) -> None:
     """Records staged on the GPU view the stager's buffers as spans (ChunkSpans), not as one
     memoryview per chunk, and still save and load bit-exactly."""
-    from nvdcp.pipeline.chunks import ChunkSpans
+    from nvdcp.storage.spans import ChunkSpans
 
     cuda = torch.device("cuda", 0)
     g = torch.Generator(device=cuda).manual_seed(5)

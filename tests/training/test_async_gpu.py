@@ -191,12 +191,6 @@ def _write_in_place(model: GPT, optim: torch.optim.Optimizer) -> None:
                     v.add_(7.0)
 
 
-@pytest.mark.xfail(
-    reason="issue 14, open: on the H200 (torch 2.11) staging_completion was already done when async_save "
-    "returned behind a busy stream, i.e. the call waited for the queued work (run without the warm-up "
-    "below; suspect: the first save's pinned allocation synchronizing the device); not rerun since",
-    strict=False,
-)
 def test_overlapped_staging_returns_first_and_keeps_the_save_step_state(tmp_path: Path) -> None:
     """async_save returns before the snapshot is even taken (the stream is busy); the next step
     writes every tensor in place before staging_completion is awaited; the checkpoint holds the

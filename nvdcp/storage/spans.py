@@ -5,9 +5,11 @@ the background save has written it, and at 64 KiB per chunk that is ~16,000 obje
 state that Python's garbage collector tracks. They outlive several young collections, get
 promoted to the oldest generation, and enough promotions trigger a full collection: a pause of
 every thread of the process (the training loop's too) that grows with everything the process
-holds (0.13 s for torch, DCP and nvdcp alone on the CPU machine). Spans keep two numpy arrays
-(untracked) per buffer and make each chunk's view only when iterated, at write time, when it
-dies young.
+holds (0.13 s for torch, DCP and nvdcp alone on the CPU machine; 0.129 s in the H200 training
+loop of benchmarks/async_loop_bench.py). Spans keep two numpy arrays (untracked) per buffer;
+local files write them with vectored system calls over iovec arrays built by numpy
+(:meth:`~nvdcp.storage.base.WriteStream.write_spans`), other stores iterate them, making each
+chunk's view only then, when it dies young.
 """
 
 from __future__ import annotations
@@ -52,6 +54,10 @@ class ChunkSpans(Sequence[memoryview]):
             lo, hi = int(starts[0]), int(starts[-1] + sizes[-1])
             out.add(memoryview(bytes(buffer[lo:hi])), starts - lo, sizes)
         return out
+
+    def parts(self) -> list[tuple[memoryview, np.ndarray, np.ndarray]]:
+        """``(buffer, starts, sizes)`` per buffer, in order (for vectored writes)."""
+        return list(self._parts)
 
     @property
     def sizes(self) -> np.ndarray:
