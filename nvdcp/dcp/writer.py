@@ -64,8 +64,8 @@ from nvdcp.pipeline.tensors import tensor_nbytes
 from nvdcp.report import Report
 from nvdcp.storage import Storage, open_storage
 from nvdcp.storage.base import WriteStream
-from nvdcp.storage.spans import ChunkSpans
 from nvdcp.storage.local import LocalStorage
+from nvdcp.storage.spans import ChunkSpans
 
 logger = logging.getLogger(__name__)
 

@@ -36,10 +36,10 @@ from nvdcp.gpu import crc32c
 from nvdcp.gpu.allocator import install_allocator
 from nvdcp.gpu.nvcomp_codecs import CodecCache, typed_data_type
 from nvdcp.gpu.pinned import PinnedPool
-from nvdcp.storage.spans import ChunkSpans
 from nvdcp.pipeline.cpu import EncodedItem
 from nvdcp.pipeline.delta import DeltaInput
 from nvdcp.pipeline.policy import Layout
+from nvdcp.storage.spans import ChunkSpans
 from nvdcp.transform import delta as delta_transform
 
 #: Stored chunks start at multiples of this many bytes after compaction (device and host). The
