@@ -262,6 +262,7 @@ def run_variant(name: str, loop: Loop, args: argparse.Namespace, root: str, grou
               f"worst step {worst} {step_times[worst]:.3f}s (host {host_times[worst]:.3f}s); "
               f"gc pauses {[(p['at_s'], p['seconds'], p['generation']) for p in rec['gc_pauses']]}", flush=True)
     exact = verify(variant, loop)
+    host_stats = _host_allocator_bytes()
     variant.close()
     gb = loop.state_bytes() / GB
     rest = saves[1:] or saves
@@ -274,8 +275,30 @@ def run_variant(name: str, loop: Loop, args: argparse.Namespace, root: str, grou
         "first_call_s": saves[0]["call_s"], "steady_call_s": statistics.median(r["call_s"] for r in rest),
         "steady_durable_s": statistics.median(r["durable_s"] for r in rest),
         "upload_median_over_base": statistics.median(upload_ratios) if upload_ratios else None,
-        "peak_pinned_MiB": variant.pinned_peak / MiB, "bit_exact": exact, "saves": saves,
+        "peak_pinned_MiB": variant.pinned_peak / MiB, "bit_exact": exact,
+        "steady_staged_MiB": statistics.median(r["staged_bytes"] for r in rest) / MiB if "staged_bytes" in rest[0] else None,
+        "checkpoint_MiB": _checkpoint_bytes(variant) / MiB,
+        "gc_pauses_per_save": sum(len(r["gc_pauses"]) for r in saves) / len(saves),
+        "host_allocator": host_stats, "saves": saves,
     }
+
+
+def _host_allocator_bytes() -> dict[str, int]:
+    """torch's pinned host allocator counters (bytes), where this torch has them."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if stats is None or not torch.cuda.is_available():
+        return {}
+    try:
+        return {k: int(v) for k, v in stats().items() if "bytes" in k}
+    except Exception:  # older torch: not implemented for this build
+        return {}
+
+
+def _checkpoint_bytes(variant: Variant) -> int:
+    """Bytes of the first save's checkpoint (data files and .metadata)."""
+    from benchmarks.common import dir_bytes
+
+    return dir_bytes(os.path.join(variant.root, variant.name, f"step_{0:08d}"))
 
 
 def verify(variant: Variant, loop: Loop) -> bool:
@@ -330,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         by["nvdcp"]["vs_default_stager"] = by["nvdcp"]["steady_extra_s"] / by["default_stager"]["steady_extra_s"]
     cols = ["variant", "state_GB", "base_step_s", "warm_up_s", "first_extra_s", "steady_extra_s",
             "steady_extra_s_per_GB", "first_call_s", "steady_call_s", "steady_durable_s", "upload_median_over_base",
-            "peak_pinned_MiB", "bit_exact"]
+            "peak_pinned_MiB", "checkpoint_MiB", "gc_pauses_per_save", "bit_exact"]
     print(markdown_table(rows, cols))
     extra: dict[str, Any] = {"torch": torch.__version__, "device": str(device), "args": vars(args)}
     if cuda:

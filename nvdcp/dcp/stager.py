@@ -105,6 +105,29 @@ class HostBuffers:
         self._kept.clear()
         self.kept_bytes = 0
 
+    def reserve(self, nbytes: int) -> None:
+        """Replace the kept segments by the fewest that hold ``nbytes`` (plus 0.1% + 256 KiB,
+        rounded up to 1 MiB: alignment and segment ends; never past ``keep_bytes``), each a
+        power of two so that the pinned allocator
+        reserves no more than asked: a save of about that size then pins about its own size,
+        where growing segment by segment would leave the last one partly used. Only between
+        saves (nothing may view the kept segments)."""
+        had_pinned = self.pin and bool(self._kept)
+        self.close()
+        if had_pinned:
+            # torch's pinned allocator caches freed blocks: hand the old segments back to the
+            # system, or the process would pin them and the new ones.
+            empty_cache = getattr(torch._C, "_host_emptyCache", None)
+            if empty_cache is not None:
+                empty_cache()
+        # Slack for 64-byte alignment and segment ends (pieces never straddle two segments).
+        left = min(-(-(nbytes + nbytes // 1024 + 256 * 1024) // MiB) * MiB, self.keep_bytes)
+        while left >= MiB:
+            bit = 1 << (left.bit_length() - 1)
+            self._kept.append(torch.empty(bit, dtype=torch.uint8, pin_memory=self.pin))
+            self.kept_bytes += bit
+            left -= bit
+
     def alloc(self, nbytes: int) -> torch.Tensor:
         """``nbytes`` bytes as a uint8 tensor, starting at a 64-byte aligned address."""
         if nbytes == 0:
@@ -591,6 +614,10 @@ class NvcompStager:
                 shard.encoded  # noqa: B018 - waits for the background; raises what it raised
         finally:
             release_staged(shards)
+        if self.last_stats is not None and self._buffers is not None and self.wait(self.wait_timeout_s):
+            with self._lock:  # pin what this state needs, not the segments grown while staging it
+                self._buffers.reserve(self.last_stats.staged_bytes)
+                self.last_stats.pinned_bytes = self._buffers.pinned_bytes
         stats = dataclasses.replace(self.last_stats or StageStats(), seconds=time.perf_counter() - started)
         self.warm_up_stats = stats
         logger.info("nvdcp: stager warmed up in %.3fs (%d bytes of host buffers, %d pinned)",
@@ -852,17 +879,18 @@ class NvcompStager:
         about to be reused: the encoder's pinned slots, or the source tensor itself)."""
         buffers = buffers or self._buffers
         assert buffers is not None
-        total = sum(len(c) for c in encoded.chunks)
-        if not total:
-            return EncodedItem(encoded.header, encoded.header_bytes, [])
-        buf = buffers.alloc(total).numpy().data
-        pos = 0
-        for c in encoded.chunks:
-            buf[pos : pos + len(c)] = c
-            pos += len(c)
-        # The chunks lie back to back: one view holds them all (the writer only needs their
-        # concatenation), not one garbage-collected object per chunk (nvdcp.storage.spans).
-        return EncodedItem(encoded.header, encoded.header_bytes, [buf])
+        chunks = list(encoded.chunks)
+        views: list[bytes | memoryview] = []
+        for host, lo, hi in buffers.place(np.array([len(c) for c in chunks], dtype=np.int64)):
+            buf = host.numpy().data
+            pos = 0
+            for c in chunks[lo:hi]:
+                buf[pos : pos + len(c)] = c
+                pos += len(c)
+            # Chunks lie back to back in each run: one view per run (the writer only needs their
+            # concatenation), not one garbage-collected object per chunk (nvdcp.storage.spans).
+            views.append(buf)
+        return EncodedItem(encoded.header, encoded.header_bytes, views)
 
     # -- GPU compression -------------------------------------------------------------------------
     def _encode_on_gpu(self, jobs: list[GpuJob], stats: StageStats, buffers: HostBuffers) -> None:
