@@ -26,7 +26,9 @@ Writers (each with its own reader):
                        from AWS_ENDPOINT_URL, as for any boto3 client)
 
 Each (storage, shape, writer) runs in a fresh process (torchrun for fsdp): it builds the state
-(tensors on the GPU when there is one, else on the CPU), then per repeat saves to a fresh location,
+(tensors on the GPU when there is one, else on the CPU), saves and loads once untimed (the
+process's first-use costs, every writer alike: reported as first_save_s / first_load_s; skip it
+with ``--no-warm-up``), then per repeat saves to a fresh location,
 drops the page cache and loads (cold), loads again (warm), and checks the loaded state bit for bit.
 Cold loads: as root ``sync; echo 3 > /proc/sys/vm/drop_caches`` (the whole machine's page cache,
 S3 server's files included), else ``posix_fadvise(DONTNEED)`` on every file of the checkpoint
@@ -266,6 +268,21 @@ def worker(spec: dict[str, Any]) -> None:
         barrier()
         return time.perf_counter() - t0
 
+    first: dict[str, float] = {}
+    if spec.get("warm_up", True):
+        # What a training job sees from its second checkpoint on: process-wide first-use costs
+        # (CUDA streams, nvCOMP codecs, pinned pools, thread pools, S3 clients) are paid here,
+        # for every writer alike, and reported apart.
+        location = f"{spec['root']}/warmup"
+        writer = make_io(spec["writer"], location, "save", spec.get("endpoint"))
+        first["first_save_s"] = timed(lambda w=writer: dcp.save(state, storage_writer=w))
+        target = _zeros_like(state)
+        reader = make_io(spec["writer"], location, "load", spec.get("endpoint"))
+        first["first_load_s"] = timed(lambda r=reader, t=target: dcp.load(t, storage_reader=r))
+        del target
+        barrier()
+        if rank == 0 and not location.startswith("s3://"):
+            shutil.rmtree(location, ignore_errors=True)
     runs = []
     cache_method = ""
     for rep in range(spec["repeats"]):
@@ -299,7 +316,7 @@ def worker(spec: dict[str, Any]) -> None:
     if rank == 0:
         print("SWEEP " + json.dumps({
             "runs": runs, "items": items, "state_bytes": nbytes, "world": world, "device": str(device.type),
-            "cache_drop": cache_method,
+            "cache_drop": cache_method, **first,
         }), flush=True)
     if distributed:
         dist.destroy_process_group()
@@ -371,7 +388,8 @@ def _versions() -> dict[str, str]:
 
 
 COLUMNS = ["storage", "shape", "world", "writer", "items", "state_MB", "save_s", "save_GB/s", "save_us/item",
-           "cold_load_s", "cold_load_GB/s", "cold_load_us/item", "warm_load_s", "warm_load_GB/s", "bit_exact", "error"]
+           "cold_load_s", "cold_load_GB/s", "cold_load_us/item", "warm_load_s", "warm_load_GB/s", "first_save_s",
+           "first_load_s", "bit_exact", "error"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -385,6 +403,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--local-dir", default=tempfile.gettempdir(), help="where the local-disk cases write")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per case")
     ap.add_argument("--name", default="sweep", help="result file name prefix")
+    ap.add_argument("--no-warm-up", action="store_true",
+                    help="time the process's first save and load too (default: one untimed save and load first, "
+                         "reported as first_save_s / first_load_s)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -441,7 +462,8 @@ def sweep(args: argparse.Namespace, storages: list[str], shapes: list[str], writ
                                 continue
                             root = f"{base}/{shape}-w{world}-{writer}"
                             spec = {"shape": shape, "scale": args.scale, "writer": writer, "root": root,
-                                    "repeats": args.repeats, "endpoint": endpoint, "cache_paths": cache_paths}
+                                    "repeats": args.repeats, "endpoint": endpoint, "cache_paths": cache_paths,
+                                    "warm_up": not args.no_warm_up}
                             t0 = time.perf_counter()
                             result = run_one(spec, env_s3 if storage == "s3" else env, world, args.timeout)
                             row = {"storage": storage, "shape": shape, "world": world, "writer": writer, **result}
