@@ -201,18 +201,22 @@ class Variant:
 def run_variant(name: str, loop: Loop, args: argparse.Namespace, root: str, group: Any) -> dict[str, Any]:
     variant = Variant(name, loop, args, root, group)
     times: list[float] = []
+    gc_before = [g["collections"] for g in gc.get_stats()]
     for _ in range(args.warm_steps):
         t0 = time.perf_counter()
         loop.step()
         loop.sync()
         times.append(time.perf_counter() - t0)
     base = statistics.median(times[len(times) // 3:])
+    # Collections per generation over ``every`` undisturbed steps: what the loop alone sets off.
+    base_gc = [round((g["collections"] - b) * args.every / args.warm_steps, 2) for g, b in zip(gc.get_stats(), gc_before)]
     saves: list[dict[str, Any]] = []
     for k in range(args.saves):
         rec: dict[str, Any] = {}
         step_times: list[float] = []
         uploading: list[float] = []
         done_at: list[float] = []
+        collections_before = [g["collections"] for g in gc.get_stats()]
         t_call = time.perf_counter()
         response = variant.save(k)
         rec["call_s"] = time.perf_counter() - t_call
@@ -247,6 +251,7 @@ def run_variant(name: str, loop: Loop, args: argparse.Namespace, root: str, grou
         rec["step_s"] = [round(t, 4) for t in step_times]
         rec["step_host_s"] = [round(t, 4) for t in host_times]
         rec["gc_pauses"] = GC.between(t_call, time.perf_counter())
+        rec["gc_collections"] = [g["collections"] - b for g, b in zip(gc.get_stats(), collections_before)]
         rec["staging_wait_s"] = staging_wait
         rec["durable_s"] = (done_at[0] if done_at else time.perf_counter()) - t_call
         rec["upload_steps"] = len(uploading)
@@ -279,6 +284,7 @@ def run_variant(name: str, loop: Loop, args: argparse.Namespace, root: str, grou
         "steady_staged_MiB": statistics.median(r["staged_bytes"] for r in rest) / MiB if "staged_bytes" in rest[0] else None,
         "checkpoint_MiB": _checkpoint_bytes(variant) / MiB,
         "gc_pauses_per_save": sum(len(r["gc_pauses"]) for r in saves) / len(saves),
+        "gc_collections_per_interval_undisturbed": base_gc,
         "host_allocator": host_stats, "saves": saves,
     }
 
