@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any, overload
 
 import crc32c
+import numpy as np
 
 from nvdcp.errors import CorruptCheckpointError, FormatVersionError, TruncatedCheckpointError
 
@@ -59,6 +62,94 @@ def checksum(data: bytes | bytearray | memoryview, value: int = 0) -> int:
     return crc32c.crc32c(data, value)
 
 
+class ChunkTable(Sequence[tuple[int, int]]):
+    """``(stored_bytes, crc32c)`` of every chunk of a record: a sequence of pairs held as one
+    ``(n, 2)`` uint32 array, the layout of the table in the header (``_CHUNK``, little-endian).
+
+    One array per record instead of a tuple per chunk: a GB of state has ~16,000 chunks, and
+    per-chunk tuples cost both the packing and parsing time and the allocations that set off
+    the garbage collector during a background save (see :mod:`nvdcp.storage.spans`).
+    ``numpy.asarray(table)`` is the array; iterating yields ``(size, crc)`` tuples.
+    """
+
+    __slots__ = ("array",)
+
+    def __init__(self, pairs: Iterable[tuple[int, int]] | np.ndarray = ()) -> None:
+        if isinstance(pairs, np.ndarray):
+            array = pairs
+        else:
+            pairs = list(pairs)
+            array = np.array(pairs, dtype=np.int64) if pairs else np.zeros((0, 2), dtype=np.int64)
+        if array.size and (array.min() < 0 or array.max() > 0xFFFFFFFF):
+            raise ValueError("chunk sizes and CRCs must fit in 32 bits")
+        self.array = np.ascontiguousarray(array, dtype=np.uint32).reshape(-1, 2)
+
+    @classmethod
+    def from_columns(cls, sizes: Any, crcs: Any) -> ChunkTable:
+        """A table from the chunks' stored sizes and CRC32Cs (arrays or lists, same length)."""
+        sizes, crcs = np.asarray(sizes), np.asarray(crcs)
+        if sizes.shape != crcs.shape:
+            raise ValueError(f"{sizes.size} chunk sizes for {crcs.size} CRCs")
+        return cls(np.stack([sizes.astype(np.int64), crcs.astype(np.int64)], axis=-1) if sizes.size else ())
+
+    @classmethod
+    def unpack(cls, data: bytes | memoryview, count: int) -> ChunkTable:
+        """``count`` packed entries (``<II`` each), copied out of ``data``."""
+        return cls(np.frombuffer(data, dtype="<u4", count=2 * count).astype(np.uint32))
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """Each chunk's stored bytes (uint32)."""
+        return self.array[:, 0]
+
+    @property
+    def crcs(self) -> np.ndarray:
+        """Each chunk's CRC32C (uint32)."""
+        return self.array[:, 1]
+
+    @property
+    def total(self) -> int:
+        """Stored bytes of all chunks."""
+        return int(self.array[:, 0].sum(dtype=np.int64))
+
+    def pack(self) -> bytes:
+        return self.array.astype("<u4", copy=False).tobytes()
+
+    def __len__(self) -> int:
+        return len(self.array)
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return iter([(s, c) for s, c in self.array.tolist()])
+
+    @overload
+    def __getitem__(self, index: int) -> tuple[int, int]: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[tuple[int, int]]: ...
+
+    def __getitem__(self, index: int | slice) -> tuple[int, int] | list[tuple[int, int]]:
+        if isinstance(index, slice):
+            return [(s, c) for s, c in self.array[index].tolist()]
+        size, crc = self.array[index].tolist()
+        return size, crc
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        return self.array if dtype is None else self.array.astype(dtype)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ChunkTable):
+            return bool(np.array_equal(self.array, other.array))
+        if isinstance(other, Sequence) and not isinstance(other, (str, bytes)):
+            return len(other) == len(self) and all(tuple(o) == t for o, t in zip(other, self))
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.array.tobytes())
+
+    def __repr__(self) -> str:
+        return f"ChunkTable({len(self)} chunks, {self.total} bytes)"
+
+
 @dataclass(frozen=True)
 class ItemHeader:
     """The record in front of every stored item.
@@ -84,11 +175,15 @@ class ItemHeader:
     raw_nbytes: int
     transform: int
     plane_codecs: tuple[int, ...]
-    chunks: tuple[tuple[int, int], ...]
+    chunks: ChunkTable  # a sequence of (size, crc) pairs is converted
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     base_digest: int | None = None
     delta_kind: int = 0
     header_bytes: int = field(default=0, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.chunks, ChunkTable):
+            object.__setattr__(self, "chunks", ChunkTable(self.chunks))
 
     @property
     def version(self) -> int:
@@ -113,7 +208,7 @@ class ItemHeader:
 
     @property
     def stored_nbytes(self) -> int:
-        return sum(size for size, _ in self.chunks)
+        return self.chunks.total
 
     def block_elements(self, block: int) -> int:
         """Elements in ``block`` (bytes per plane chunk of that block)."""
@@ -131,7 +226,7 @@ class ItemHeader:
             _BASE.pack(self.base_digest, self.delta_kind) if delta else b"",
             struct.pack(f"<{len(self.shape)}Q", *self.shape),
             bytes(self.plane_codecs) + b"\x00" * _pad4(n_planes),
-            b"".join(_CHUNK.pack(s, c) for s, c in self.chunks),
+            self.chunks.pack(),
         ]
         body = b"".join(parts)
         return body + _CRC.pack(checksum(body))
@@ -225,10 +320,10 @@ def parse_item_header_only(buf: memoryview, where: str) -> ItemHeader:
     off += 8 * ndim
     plane_codecs = tuple(buf[off : off + n_planes])
     off += n_planes + _pad4(n_planes)
-    chunks = tuple(_CHUNK.iter_unpack(buf[off : off + _CHUNK.size * n_chunks]))
+    chunks = ChunkTable.unpack(buf[off : off + _CHUNK.size * n_chunks], n_chunks)
     return ItemHeader(
         kind=kind, dtype_code=dtype_code, shape=tuple(shape), raw_nbytes=raw_nbytes,
-        transform=transform, plane_codecs=plane_codecs, chunks=chunks,  # type: ignore[arg-type]
+        transform=transform, plane_codecs=plane_codecs, chunks=chunks,
         chunk_bytes=chunk_bytes, base_digest=base_digest, delta_kind=delta_kind, header_bytes=header_bytes,
     )
 

@@ -31,7 +31,7 @@ import torch
 
 from nvdcp.codecs import codec_id
 from nvdcp.format.crc import checksum_ranges
-from nvdcp.format.header import TRANSFORM_BYTEPLANES, ItemHeader
+from nvdcp.format.header import TRANSFORM_BYTEPLANES, ChunkTable, ItemHeader
 from nvdcp.gpu import crc32c
 from nvdcp.gpu.allocator import install_allocator
 from nvdcp.gpu.nvcomp_codecs import CodecCache, typed_data_type
@@ -113,16 +113,16 @@ class HostBucket:
     #: None: computed on the host by :meth:`checksums`
     crcs: torch.Tensor | None = None
 
-    def checksums(self) -> list[int]:
-        """Each slot's CRC32C (from the device, or one batched host call per host buffer run)."""
+    def checksums(self) -> np.ndarray:
+        """Each slot's CRC32C, uint32 (from the device, or one batched host call per host buffer run)."""
         if self.crcs is not None:
-            return self.crcs.numpy().view(np.uint32).tolist()
-        crcs: list[int] = []
+            return self.crcs.numpy().view(np.uint32)
+        crcs = [np.zeros(0, dtype=np.uint32)]
         for host, lo, hi in self.runs:
             if hi > lo:
                 starts = self.offsets[lo:hi] - self.offsets[lo]
-                crcs.extend(checksum_ranges(host.numpy(), starts, self.stored[lo:hi]).tolist())
-        return crcs
+                crcs.append(np.asarray(checksum_ranges(host.numpy(), starts, self.stored[lo:hi]), dtype=np.uint32))
+        return np.concatenate(crcs)
 
     def views(self) -> list[memoryview]:
         """Each slot's stored bytes (host work: kept off the path that blocks training)."""
@@ -465,7 +465,8 @@ class GpuEncoder:
             yield self._to_host(prev, sink)
 
     # -- host work -----------------------------------------------------------------------------
-    def _bucket_items(self, jobs: list[GpuJob], hb: HostBucket, partial: dict[int, tuple[ChunkSpans, list[int]]],
+    def _bucket_items(self, jobs: list[GpuJob], hb: HostBucket,
+                      partial: dict[int, tuple[ChunkSpans, list[np.ndarray]]],
                       copy_partial: bool) -> Iterator[tuple[GpuJob, EncodedItem]]:
         c = self.chunk_bytes
         crcs = hb.checksums()
@@ -479,17 +480,18 @@ class GpuEncoder:
                 # Spans buckets; with copy_partial its bytes must outlive this bucket's buffer.
                 held = partial.setdefault(seg.job, (ChunkSpans(), []))
                 held[0].extend(spans.copied() if copy_partial else spans)
-                held[1].extend(seg_crcs)
+                held[1].append(seg_crcs.copy())
                 if (seg.first_block + seg.n_blocks) * c < job.elements:
                     continue
-                spans, seg_crcs = partial.pop(seg.job)
+                spans, parts = partial.pop(seg.job)
+                seg_crcs = np.concatenate(parts)
             yield job, self._item(job, spans, seg_crcs)
 
-    def _item(self, job: GpuJob, spans: ChunkSpans, crcs: list[int]) -> EncodedItem:
+    def _item(self, job: GpuJob, spans: ChunkSpans, crcs: np.ndarray) -> EncodedItem:
         header = ItemHeader(
             kind=job.kind, dtype_code=job.dtype_code, shape=job.shape, raw_nbytes=job.data.numel(),
             transform=job.layout.transform, plane_codecs=tuple(codec_id(n) for n in job.layout.plane_codecs),
-            chunks=tuple(zip(spans.sizes.tolist(), crcs)), chunk_bytes=self.chunk_bytes,
+            chunks=ChunkTable.from_columns(spans.sizes, crcs), chunk_bytes=self.chunk_bytes,
             base_digest=job.delta.base_digest if job.delta is not None else None,
             delta_kind=delta_transform.kind_for(job.dtype) if job.delta is not None else 0,
         )
@@ -522,7 +524,7 @@ class GpuEncoder:
         iterator ended or raised; closing the iterator early returns them all at once (the
         caller must be done with every record by then). ``ready``: as :meth:`encode`.
         """
-        partial: dict[int, tuple[ChunkSpans, list[int]]] = {}
+        partial: dict[int, tuple[ChunkSpans, list[np.ndarray]]] = {}
         sink = _PooledSink(self.pinned, depth)
         ready_buckets: queue.Queue[HostBucket | BaseException | None] = queue.Queue()
 
@@ -587,7 +589,7 @@ class GpuEncoder:
 
         Their chunks view the sink's memory, which must stay untouched while they are in use.
         """
-        partial: dict[int, tuple[ChunkSpans, list[int]]] = {}
+        partial: dict[int, tuple[ChunkSpans, list[np.ndarray]]] = {}
         for hb in buckets:
             yield from self._bucket_items(jobs, hb, partial, copy_partial=False)
 

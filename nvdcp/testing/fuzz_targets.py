@@ -32,6 +32,7 @@ from nvdcp.codecs.gdeflate import GDeflateCodec, guarded
 from nvdcp.format.header import (
     KIND_BYTES,
     KIND_TENSOR,
+    ChunkTable,
     ItemHeader,
     checksum,
     file_header_size,
@@ -160,7 +161,7 @@ def synthetic_records(draw: Any) -> tuple[bytes, int, np.ndarray, bool]:
         kind=draw(st.sampled_from([KIND_TENSOR, KIND_BYTES])), dtype_code=draw(st.integers(0, 30)),
         shape=tuple(draw(st.lists(st.integers(0, 1 << 62), max_size=3))), raw_nbytes=raw_nbytes,
         transform=draw(st.sampled_from([0, 1])), plane_codecs=codecs,
-        chunks=tuple((len(p), checksum(p)) for p in payloads), chunk_bytes=chunk_bytes,
+        chunks=ChunkTable((len(p), checksum(p)) for p in payloads), chunk_bytes=chunk_bytes,
     )
     return header.pack() + b"".join(payloads), draw(st.sampled_from([1, 2, 4, 8, 16])), np.empty(0), False
 
