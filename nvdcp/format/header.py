@@ -86,16 +86,25 @@ class ChunkTable(Sequence[tuple[int, int]]):
 
     @classmethod
     def from_columns(cls, sizes: Any, crcs: Any) -> ChunkTable:
-        """A table from the chunks' stored sizes and CRC32Cs (arrays or lists, same length)."""
-        sizes, crcs = np.asarray(sizes), np.asarray(crcs)
-        if sizes.shape != crcs.shape:
-            raise ValueError(f"{sizes.size} chunk sizes for {crcs.size} CRCs")
-        return cls(np.stack([sizes.astype(np.int64), crcs.astype(np.int64)], axis=-1) if sizes.size else ())
+        """A table from the chunks' stored sizes and CRC32Cs (arrays or lists of the same
+        length, values in 32 bits: what an encoder produced)."""
+        if len(sizes) != len(crcs):
+            raise ValueError(f"{len(sizes)} chunk sizes for {len(crcs)} CRCs")
+        array = np.empty((len(sizes), 2), dtype=np.uint32)
+        array[:, 0] = sizes
+        array[:, 1] = crcs
+        return cls._wrap(array)
 
     @classmethod
     def unpack(cls, data: bytes | memoryview, count: int) -> ChunkTable:
         """``count`` packed entries (``<II`` each), copied out of ``data``."""
-        return cls(np.frombuffer(data, dtype="<u4", count=2 * count).astype(np.uint32))
+        return cls._wrap(np.frombuffer(data, dtype="<u4", count=2 * count).astype(np.uint32).reshape(-1, 2))
+
+    @classmethod
+    def _wrap(cls, array: np.ndarray) -> ChunkTable:
+        table = cls.__new__(cls)
+        table.array = array
+        return table
 
     @property
     def sizes(self) -> np.ndarray:
