@@ -875,13 +875,13 @@ class NvcompReader(StorageReader):
             )
         return header
 
-    def _chunk_filler(self, name: str, offset: int, header: ItemHeader) -> Callable[[int, list[memoryview]], None]:
+    def _chunk_filler(self, name: str, offset: int, header: ItemHeader) -> Callable[[int, Sequence[memoryview]], None]:
         sizes = np.asarray(header.chunks, dtype=np.int64).reshape(-1, 2)[:, 0]
         starts = np.zeros(len(sizes) + 1, dtype=np.int64)
         np.cumsum(sizes, out=starts[1:])
         payload_at = offset + header.header_bytes
 
-        def fill(first_chunk: int, buffers: list[memoryview]) -> None:
+        def fill(first_chunk: int, buffers: Sequence[memoryview]) -> None:
             self.storage.read_into(name, payload_at + int(starts[first_chunk]), buffers)
 
         return fill

@@ -118,10 +118,10 @@ def _pwritev_all(fd: int, offset: int, views: Sequence[memoryview]) -> None:
         i = _consume(pending, i, n)
 
 
-def _libc_pwritev() -> Any:
-    """libc's ``pwritev`` through ctypes (the GIL released during the call), or None."""
+def _libc_vectored(name: str) -> Any:
+    """libc's ``pwritev`` or ``preadv`` through ctypes (the GIL released during the call), or None."""
     try:
-        fn = ctypes.CDLL(None, use_errno=True).pwritev
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
@@ -129,14 +129,18 @@ def _libc_pwritev() -> Any:
     return fn
 
 
-_PWRITEV = _libc_pwritev()
+_PWRITEV = _libc_vectored("pwritev")
+_PREADV = _libc_vectored("preadv")
 
 
-def _iovecs(head: Buffer, spans: ChunkSpans) -> tuple[np.ndarray, list[np.ndarray]]:
-    """``struct iovec`` rows (address, length) for ``head`` and every chunk of ``spans``, built
-    with numpy (no object per chunk), and the arrays whose memory they point into."""
-    keep = [np.frombuffer(head, dtype=np.uint8)]
-    rows = [np.array([[keep[0].ctypes.data, keep[0].size]], dtype=np.uint64)]
+def _iovecs(head: Buffer | None, spans: ChunkSpans) -> tuple[np.ndarray, list[np.ndarray]]:
+    """``struct iovec`` rows (address, length) for ``head`` (if any) and every chunk of
+    ``spans``, built with numpy (no object per chunk), and the arrays whose memory they point into."""
+    keep: list[np.ndarray] = []
+    rows = [np.zeros((0, 2), dtype=np.uint64)]
+    if head is not None:
+        keep.append(np.frombuffer(head, dtype=np.uint8))
+        rows.append(np.array([[keep[0].ctypes.data, keep[0].size]], dtype=np.uint64))
     for buffer, starts, sizes in spans.parts():
         arr = np.frombuffer(buffer, dtype=np.uint8)
         if len(starts) and int(starts[-1] + sizes[-1]) > arr.size:
@@ -153,16 +157,31 @@ def _iovecs(head: Buffer, spans: ChunkSpans) -> tuple[np.ndarray, list[np.ndarra
 def _pwritev_rows(fd: int, offset: int, iov: np.ndarray) -> None:
     """Write iovec rows ``iov`` (modified in place after a short write) at ``offset``."""
     assert _PWRITEV is not None
+    _vectored_rows(_PWRITEV, fd, offset, iov, None)
+
+
+def _preadv_rows(fd: int, path: str, offset: int, iov: np.ndarray) -> None:
+    """Fill iovec rows ``iov`` (modified in place after a short read) from ``offset``."""
+    assert _PREADV is not None
+    _vectored_rows(_PREADV, fd, offset, iov, path)
+
+
+def _vectored_rows(fn: Any, fd: int, offset: int, iov: np.ndarray, read_path: str | None) -> None:
+    """``pwritev``/``preadv`` over every row of ``iov``, IOV_MAX rows a call, resuming after a
+    short call inside the row where it stopped; a read that hits the end of the file raises
+    :class:`TruncatedCheckpointError` naming ``read_path``."""
     ends = np.cumsum(iov[:, 1], dtype=np.int64)
     done, i, n = 0, 0, len(iov)
     while i < n:
         count = min(_IOV_MAX, n - i)
-        wrote = _PWRITEV(fd, iov.ctypes.data + i * iov.strides[0], count, offset + done)
+        wrote = fn(fd, iov.ctypes.data + i * iov.strides[0], count, offset + done)
         if wrote < 0:
             err = ctypes.get_errno()
             if err == errno.EINTR:
                 continue
             raise OSError(err, os.strerror(err))
+        if wrote == 0 and read_path is not None:
+            raise TruncatedCheckpointError(f"{read_path}: file ends at offset {offset + done}, before the item does")
         done += wrote
         i = int(np.searchsorted(ends, done, side="right"))
         if i < n:  # a short write can stop inside a chunk: its rest stays pending
@@ -196,7 +215,18 @@ def _consume(pending: list[memoryview], i: int, n: int) -> int:
 
 def _scatter_read(fd: int, path: str, offset: int, buffers: Sequence[memoryview]) -> None:
     """Fill ``buffers`` in order from ``offset``: as few ``preadv`` calls as IOV_MAX allows, from
-    several threads at once when there are at least :data:`PARALLEL_MIN_BYTES`."""
+    several threads at once when there are at least :data:`PARALLEL_MIN_BYTES`. Spans
+    (:class:`ChunkSpans`, the GPU reader's staging slots) go through iovec rows built by numpy:
+    no Python object per chunk."""
+    if isinstance(buffers, ChunkSpans) and _PREADV is not None:
+        iov, keep = _iovecs(None, buffers)
+        total = int(iov[:, 1].sum())
+        if total < PARALLEL_MIN_BYTES or IO_THREADS < 2:
+            _preadv_rows(fd, path, offset, iov)
+        else:
+            _in_parallel([functools.partial(_preadv_rows, fd, path, offset + at, rows) for at, rows in _split_rows(iov)])
+        del keep  # the buffers the rows point into lived until every call returned
+        return
     total = sum(len(b) for b in buffers)
     if total < PARALLEL_MIN_BYTES or IO_THREADS < 2:
         _preadv_all(fd, path, offset, buffers)

@@ -193,3 +193,42 @@ def test_record_writer_writes_span_records_like_chunk_lists(tmp_path: Any, max_r
         files[name] = ((tmp_path / name).read_bytes(), offsets)
     assert files["list"] == files["spans"]
     assert len(files["spans"][0]) == len(b"file-header") + 2 * small.nbytes + big.nbytes
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_local_read_into_spans_scatters_a_file_range_into_slots(tmp_path: Any, parallel: bool,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU reader's staging slots as spans: one vectored read (split over I/O threads when
+    large) lands each chunk of a contiguous file range in its slot."""
+    from nvdcp.storage import local
+
+    if parallel:
+        monkeypatch.setattr(local, "PARALLEL_MIN_BYTES", 1 << 16)
+        monkeypatch.setattr(local, "PARALLEL_SLICE_BYTES", 1 << 14)
+    rng = np.random.default_rng(1)
+    data = rng.integers(0, 256, 600_000, dtype=np.uint8).tobytes()
+    (tmp_path / "f").write_bytes(b"prefix" + data)
+    storage = local.LocalStorage(str(tmp_path))
+    sizes = rng.integers(1, 700, 1500)
+    sizes = sizes[: np.searchsorted(np.cumsum(sizes), len(data))]
+    stride = 1024
+    staging = bytearray(stride * len(sizes))
+    slots = ChunkSpans()
+    slots.add(memoryview(staging), np.arange(len(sizes)) * stride, sizes)
+    storage.read_into("f", 6, slots)
+    pos = 0
+    for i, n in enumerate(sizes.tolist()):
+        assert staging[i * stride : i * stride + n] == data[pos : pos + n], i
+        pos += n
+
+
+def test_local_read_into_spans_past_the_end_is_truncation(tmp_path: Any) -> None:
+    from nvdcp.errors import TruncatedCheckpointError
+    from nvdcp.storage import local
+
+    (tmp_path / "f").write_bytes(b"x" * 100)
+    storage = local.LocalStorage(str(tmp_path))
+    slots = ChunkSpans()
+    slots.add(memoryview(bytearray(4096)), np.array([0, 2048]), np.array([80, 80]))
+    with pytest.raises(TruncatedCheckpointError, match="file ends at offset 100"):
+        storage.read_into("f", 0, slots)
