@@ -82,7 +82,7 @@ def pinned_peak(*owners: Any) -> int:
     pools = {}
     for owner in owners:
         if isinstance(owner, nvdcp.NvcompReader):
-            pinned = shared_pool(owner.gpu.pinned_memory_bytes)
+            pinned = shared_pool(owner.gpu.pinned_bytes(load=True))
         else:
             pinned = getattr(getattr(owner, "encoder", None), "pinned", None)
         if pinned is not None:

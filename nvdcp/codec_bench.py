@@ -207,7 +207,7 @@ class _GpuRunner:
         self.codec = codec
         self.dev = torch.device("cuda", torch.cuda.current_device())
         self.encoder = ItemEncoder(EncodeConfig(codec, chunk_bytes), GpuConfig())
-        self.decoder = GpuDecoder(self.dev, budget_bytes=GpuConfig().gpu_budget(self.dev))
+        self.decoder = GpuDecoder(self.dev, budget_bytes=GpuConfig().gpu_budget(self.dev, load=True))
 
     def close(self) -> None:
         self.encoder.close()

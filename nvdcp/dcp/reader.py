@@ -506,7 +506,7 @@ class NvcompReader(StorageReader):
         for index in indexes:
             device = devices[index]
             assert device is not None
-            limit = self.gpu.gpu_budget(device) // (4 * self.gpu_threads)
+            limit = self.gpu.gpu_budget(device, load=True) // (4 * self.gpu_threads)
             size = self._expected_nbytes(index)
             items, total = open_.get(device, ([], 0))
             if items and (total + size > limit or len(items) >= MAX_GPU_BATCH_ITEMS):
@@ -725,11 +725,11 @@ class NvcompReader(StorageReader):
 
         cache = self._decoders.__dict__.setdefault("by_device", {})
         if device not in cache:
-            budget = self.gpu.gpu_budget(device) // self.gpu_threads
+            budget = self.gpu.gpu_budget(device, load=True) // self.gpu_threads
             cache[device] = GpuDecoder(
                 device, budget_bytes=budget, gdeflate_type=self.gpu.gdeflate_algorithm_type,
-                pinned_bytes=self.gpu.pinned_memory_bytes // self.gpu_threads,
-                pinned=shared_pool(self.gpu.pinned_memory_bytes),
+                pinned_bytes=self.gpu.pinned_bytes(load=True) // self.gpu_threads,
+                pinned=shared_pool(self.gpu.pinned_bytes(load=True)),
             )
         return cache[device]
 
@@ -897,7 +897,7 @@ class NvcompReader(StorageReader):
             device = devices[index]
             assert device is not None
             if device not in limits:
-                limits[device] = self.gpu.gpu_budget(device) // (2 * self.gpu_threads)
+                limits[device] = self.gpu.gpu_budget(device, load=True) // (2 * self.gpu_threads)
             limit = limits[device]
             size = self._place(index)[2]
             items, total = open_.get(device, ([], 0))

@@ -91,12 +91,12 @@ class ItemEncoder:
 
     @property
     def pinned(self) -> PinnedPool:
-        """The pinned host pool of this encoder's GPU encoders (bounded by ``gpu.pinned_memory_bytes``)."""
+        """The pinned host pool of this encoder's GPU encoders (bounded by ``gpu.pinned_bytes()``)."""
         from nvdcp.gpu.pinned import PinnedPool
 
         with self._lock:
             if self._pinned is None:
-                self._pinned = PinnedPool(self.gpu.pinned_memory_bytes)
+                self._pinned = PinnedPool(self.gpu.pinned_bytes())
             return self._pinned
 
     def close(self) -> None:
@@ -266,7 +266,7 @@ class ItemEncoder:
             encoder = GpuEncoder(
                 device, chunk_bytes=self.config.chunk_bytes, budget_bytes=self.gpu.gpu_budget(device) // shares,
                 gdeflate_type=self.gpu.gdeflate_algorithm_type,
-                pinned_bytes=self.gpu.pinned_memory_bytes // shares, pinned=self.pinned,
+                pinned_bytes=self.gpu.pinned_bytes() // shares, pinned=self.pinned,
             )
         try:
             yield encoder
