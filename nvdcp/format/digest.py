@@ -41,7 +41,10 @@ def digest_of_record_header(header_bytes: bytes | bytearray | memoryview) -> int
 
 
 def digest_of_header(header: ItemHeader) -> int:
-    """The digest of a parsed item header: the CRC32C of its fields, as the writer packed them."""
+    """The digest of an item header: the CRC32C of its fields, as the writer packed them (the
+    stored CRC of a parsed header, which parsing checked; else the header packed again)."""
+    if header.stored_crc is not None:
+        return header.stored_crc
     return digest_of_record_header(header.pack())
 
 

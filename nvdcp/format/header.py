@@ -189,6 +189,9 @@ class ItemHeader:
     base_digest: int | None = None
     delta_kind: int = 0
     header_bytes: int = field(default=0, compare=False)
+    #: the header's own CRC32C as stored (set by parsing, which checked it): the item's digest
+    #: without packing the header again
+    stored_crc: int | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.chunks, ChunkTable):
@@ -334,6 +337,7 @@ def parse_item_header_only(buf: memoryview, where: str) -> ItemHeader:
         kind=kind, dtype_code=dtype_code, shape=tuple(shape), raw_nbytes=raw_nbytes,
         transform=transform, plane_codecs=plane_codecs, chunks=chunks,
         chunk_bytes=chunk_bytes, base_digest=base_digest, delta_kind=delta_kind, header_bytes=header_bytes,
+        stored_crc=stored_crc,
     )
 
 

@@ -62,3 +62,15 @@ def test_a_large_table_is_a_few_objects() -> None:
     gc.collect()
     assert len(gc.get_objects()) - before < 50
     assert sum(len(t) for t in tables) == 100_000
+
+
+def test_parsed_headers_carry_their_digest() -> None:
+    from nvdcp.format.digest import digest_of_header, digest_of_record_header
+
+    h = ItemHeader(kind=0, dtype_code=1, shape=(8,), raw_nbytes=32, transform=1, plane_codecs=(1, 1, 1, 1),
+                   chunks=ChunkTable([(3, 7), (4, 8), (5, 9), (6, 10)]), chunk_bytes=1024)
+    packed = h.pack()
+    parsed = parse_item_header_only(memoryview(packed), "t")
+    assert h.stored_crc is None and parsed.stored_crc == digest_of_record_header(packed)
+    assert digest_of_header(parsed) == digest_of_header(h) == digest_of_record_header(packed)
+    assert parsed == h  # the stored CRC is not part of equality
