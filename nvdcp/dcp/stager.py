@@ -610,10 +610,12 @@ class NvcompStager:
             staged = staged.result()
         shards = _staged_shards(staged)
         try:
-            for shard in shards:
-                shard.encoded  # noqa: B018 - waits for the background; raises what it raised
+            _wait_finished(shards)
         finally:
             release_staged(shards)
+        # The staged records view the segments about to be replaced: drop them first, so those
+        # segments go back to torch's pinned cache and reserve() can hand them to the system.
+        del staged, shards
         if self.last_stats is not None and self._buffers is not None and self.wait(self.wait_timeout_s):
             with self._lock:  # pin what this state needs, not the segments grown while staging it
                 self._buffers.reserve(self.last_stats.staged_bytes)
@@ -936,6 +938,12 @@ def _staged_shards(obj: Any) -> list[StagedShard]:
     if isinstance(obj, list):
         return [s for v in obj for s in _staged_shards(v)]
     return []
+
+
+def _wait_finished(shards: list[StagedShard]) -> None:
+    """Wait until every shard's record is finished; raises what finishing one raised."""
+    for shard in shards:
+        shard.encoded  # noqa: B018 - waits for the background
 
 
 def _host_deepcopy(obj: Any) -> Any:

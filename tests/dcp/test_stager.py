@@ -417,3 +417,27 @@ def test_warm_up_reserves_about_the_staged_size(tmp_path: Path) -> None:
     assert stager.last_stats.temp_bytes == 0
     dcp.save(staged, storage_writer=nvdcp.NvcompWriter(tmp_path))
     stager.close()
+
+
+def test_warm_up_lets_the_replaced_segments_go(monkeypatch: pytest.MonkeyPatch) -> None:
+    """When warm-up re-reserves its buffers, nothing of the warm-up staging may still hold the
+    segments being replaced (with CUDA they could then not be handed back to the system and
+    would stay pinned next to the new ones)."""
+    alive: list[int] = []
+    reserve = HostBuffers.reserve
+
+    def checking(self: HostBuffers, nbytes: int) -> None:
+        storages = [t.untyped_storage() for t in self._kept]  # these wrappers are one holder each
+        self.close()
+        gc.collect()
+        alive.append(sum(torch._C._storage_Use_Count(st._cdata) > 1 for st in storages))
+        del storages
+        reserve(self, nbytes)
+
+    monkeypatch.setattr(HostBuffers, "reserve", checking)
+    g = torch.Generator().manual_seed(4)
+    sd = {f"t{i}": torch.randn(300_000, generator=g) for i in range(3)}
+    stager = NvcompStager(cpu_mode="compress", buffer_bytes=256 * MiB)
+    stager.warm_up(sd)
+    assert alive == [0]
+    stager.close()
