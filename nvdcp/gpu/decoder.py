@@ -108,8 +108,7 @@ class _Segment:
 
 def _chunk_table(header: ItemHeader) -> tuple[np.ndarray, np.ndarray]:
     """Stored size (int64) and CRC32C (uint32) of every chunk of ``header``."""
-    table = np.asarray(header.chunks, dtype=np.uint32).reshape(-1, 2)
-    return table[:, 0].astype(np.int64), np.ascontiguousarray(table[:, 1])
+    return header.chunks.sizes.astype(np.int64), np.ascontiguousarray(header.chunks.crcs)
 
 
 @dataclass(eq=False)

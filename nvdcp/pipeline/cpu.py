@@ -299,12 +299,16 @@ def encode_item(
 def chunk_table(record: Buffer, header: ItemHeader) -> tuple[np.ndarray, np.ndarray]:
     """The chunk table of a parsed header as arrays: stored sizes (int64) and CRC32Cs (uint32).
 
-    ``record`` starts with the header; the table is read in place, not through Python tuples.
-    """
-    n = len(header.chunks)
-    at = header.header_bytes - 4 - 8 * n
-    table = np.frombuffer(record, dtype="<u4", count=2 * n, offset=at).reshape(n, 2)
-    return table[:, 0].astype(np.int64), table[:, 1]
+    ``record`` (the bytes the header was parsed from) is not read again: the parsed header
+    holds the table as one array (:class:`~nvdcp.format.header.ChunkTable`)."""
+    table = header.chunks
+    return table.sizes.astype(np.int64), table.crcs
+
+
+@functools.cache
+def plane_cpu_codecs(plane_codecs: tuple[int, ...]) -> list[Codec]:
+    """The CPU codec of each plane id (one registry walk per combination, not per item)."""
+    return [cpu_codec(codec_name(c)) for c in plane_codecs]
 
 
 @functools.cache
@@ -372,7 +376,7 @@ def decode_blocks(
         _decode_planar(header, payload, starts, sizes, out, blocks, where)
         return
     cb, pn = header.chunk_bytes, header.plane_nbytes
-    codecs = [cpu_codec(codec_name(c)) for c in header.plane_codecs]
+    codecs = plane_cpu_codecs(header.plane_codecs)
     i, stop = blocks.start * n, blocks.stop * n
     while i < stop:
         block, plane = divmod(i, n)
@@ -397,7 +401,7 @@ def _decode_planar(
     """Per block: compressed planes decoded into a scratch row, then all planes (raw ones straight
     from ``payload``) interleaved into ``out`` in one pass (:func:`merge_planes`)."""
     n, cb, pn = header.n_planes, header.chunk_bytes, header.plane_nbytes
-    codecs = [cpu_codec(codec_name(c)) for c in header.plane_codecs]
+    codecs = plane_cpu_codecs(header.plane_codecs)
     width = min(cb, pn)  # a small item's scratch is its size, not a whole block's
     scratch = np.empty((n, width), dtype=np.uint8)
     fn = _native_merge()
