@@ -348,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(3):
         loop.step()
     loop.sync()
-    gc.callbacks.append(GC)
+    if GC not in gc.callbacks:
+        gc.callbacks.append(GC)
     if args.gc_freeze:
         gc.collect()
         gc.freeze()
