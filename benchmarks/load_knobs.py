@@ -49,11 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--first-load", action="store_true", help="each setting in a fresh process, first load timed")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.first_load:
-        return _fresh_processes(args)
     if not torch.cuda.is_available():
         print("load_knobs needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.first_load:
+        return _fresh_processes(args)
     dev = torch.device("cuda", 0)
     g = torch.Generator(device=dev).manual_seed(0)
     n = max(1, int(args.gb * 1e9 / (64 * MiB)))
