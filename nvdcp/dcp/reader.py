@@ -1074,7 +1074,7 @@ class NvcompReader(StorageReader):
                 raise CorruptCheckpointError(f": {header.raw_nbytes} stored bytes for a {item.out.size}-byte destination")
         except (CorruptCheckpointError, CodecUnavailableError, FormatVersionError) as exc:
             raise _named(exc, self.where(item.index)) from exc.__cause__
-        sizes, crcs = chunk_table(record, header)
+        sizes, crcs = chunk_table(header)
         return header, sizes, chunk_starts(sizes, at + header.header_bytes), crcs
 
     def _read_bytes(self, name: str, offset: int, length: int) -> np.ndarray:
@@ -1218,7 +1218,7 @@ def _header_and_table(rec: memoryview, where: str) -> tuple[ItemHeader, tuple[np
     if size > len(rec):
         raise CorruptCheckpointError(f"{where}: header of {size} bytes in a record of {len(rec)}")
     header = parse_item_header_only(rec, where)
-    table = chunk_table(rec, header)
+    table = chunk_table(header)
     stored = int(table[0].sum())
     if header.header_bytes + stored != len(rec):
         raise CorruptCheckpointError(f"{where}: chunks hold {stored} bytes, record has {len(rec) - header.header_bytes}")

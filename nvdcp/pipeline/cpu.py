@@ -36,7 +36,6 @@ from nvdcp.format.header import (
     parse_item_header,
 )
 from nvdcp.pipeline.policy import Layout
-from nvdcp.storage.base import Buffer
 from nvdcp.transform import delta as delta_transform
 
 logger = logging.getLogger(__name__)
@@ -296,11 +295,9 @@ def encode_item(
     return EncodedItem(header, header.pack(), [s for s, _ in stored], unchanged)
 
 
-def chunk_table(record: Buffer, header: ItemHeader) -> tuple[np.ndarray, np.ndarray]:
-    """The chunk table of a parsed header as arrays: stored sizes (int64) and CRC32Cs (uint32).
-
-    ``record`` (the bytes the header was parsed from) is not read again: the parsed header
-    holds the table as one array (:class:`~nvdcp.format.header.ChunkTable`)."""
+def chunk_table(header: ItemHeader) -> tuple[np.ndarray, np.ndarray]:
+    """The chunk table of a parsed header as arrays: stored sizes (int64) and CRC32Cs (uint32)
+    (the header holds it as one array, :class:`~nvdcp.format.header.ChunkTable`)."""
     table = header.chunks
     return table.sizes.astype(np.int64), table.crcs
 
@@ -471,7 +468,7 @@ def verify_chunks(record: memoryview, where: str) -> ItemHeader:
     if not header.chunks:
         return header
     buf = np.frombuffer(record, dtype=np.uint8)
-    sizes, crcs = chunk_table(record, header)
+    sizes, crcs = chunk_table(header)
     starts = chunk_starts(sizes, header.header_bytes)
     check_crcs(buf, starts, sizes, crcs, lambda i: describe_chunk(where, i, header.n_planes))
     return header
@@ -498,7 +495,7 @@ def decode_item(
     if not header.chunks:
         return header, out
     buf = np.frombuffer(record, dtype=np.uint8)
-    sizes, crcs = chunk_table(record, header)
+    sizes, crcs = chunk_table(header)
     starts = chunk_starts(sizes, header.header_bytes)
     if checked is None:
         check_crcs(buf, starts, sizes, crcs, lambda i: describe_chunk(where, i, header.n_planes))

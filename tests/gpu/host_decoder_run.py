@@ -130,7 +130,7 @@ def main() -> None:
             for i, (key, rec) in enumerate(records.items()):
                 header = parse_item_header_only(memoryview(rec), key)
                 payload = np.frombuffer(rec, dtype=np.uint8)[header.header_bytes :]
-                table = chunk_table(rec, header) if i % 2 else None
+                table = chunk_table(header) if i % 2 else None
                 out = None
                 if i % 3:
                     dests.append((key, torch.zeros_like(sd[key])))
