@@ -45,12 +45,14 @@ def _tensor(size: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int,
 
 
 def sample() -> Metadata:
-    """Row shards, column shards, one empty shard at the end, a 0-d tensor and a bytes item."""
+    """Row shards, column shards, one empty shard at the end, a 0-d tensor, a tensor whole in one
+    chunk and a bytes item."""
     sdm: dict[str, Any] = {
         "a": _tensor((8, 3), [((2 * r, 0), (2, 3)) for r in range(4)]),
         "b": _tensor((3,), [((0,), (1,)), ((1,), (1,)), ((2,), (1,)), ((3,), (0,))]),
         "c": _tensor((4, 6), [((0, 2 * r), (4, 2)) for r in range(3)]),
         "s": _tensor((), [((), ())]),
+        "w": _tensor((5, 2), [((0, 0), (5, 2))]),  # whole in one chunk (the single-chunk fast path)
         "bytes": BytesStorageMetadata(),
     }
     records: dict[MetadataIndex, Any] = {}
@@ -155,6 +157,13 @@ DAMAGE: dict[str, Callable[[Metadata], None]] = {
     "duplicate chunk": lambda md: md.state_dict_metadata["b"].chunks.append(_chunk(md, "b", 0)),  # type: ignore[union-attr]
     "size a string": lambda md: setattr(md.state_dict_metadata["a"], "size", ("8", 3)),
     "no dtype": lambda md: setattr(md.state_dict_metadata["a"].properties, "dtype", "float32"),  # type: ignore[union-attr]
+    "whole chunk bool offset": _set_chunk("w", 0, "offsets", (False, 0)),
+    "whole chunk float size": _set_chunk("w", 0, "sizes", (5.0, 2)),
+    "whole chunk too large": _set_chunk("w", 0, "sizes", torch.Size([6, 2])),
+    "whole chunk too small": _set_chunk("w", 0, "sizes", torch.Size([4, 2])),
+    "whole chunk moved": _set_chunk("w", 0, "offsets", torch.Size([1, 0])),
+    "whole chunk wrong rank": _set_chunk("w", 0, "sizes", torch.Size([10])),
+    "whole chunk sizes None": _set_chunk("w", 0, "sizes", None),
     "chunks None": lambda md: setattr(md.state_dict_metadata["c"], "chunks", None),
     "described by a chunk": lambda md: md.state_dict_metadata.__setitem__("s", _chunk(md, "a", 0)),
     "no records": lambda md: setattr(md, "storage_data", None),
@@ -381,19 +390,42 @@ def test_metadata_of_16k_ranks_is_within_the_size_bound() -> None:
     assert metadata_io.MAX_METADATA_BYTES >= 16_384 * 873 * 200 * 2
 
 
-def test_one_full_collection_only_when_the_metadata_is_a_large_share_of_the_heap(
+def test_new_objects_promoted_to_the_oldest_generation_without_a_collection(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A .metadata that is most of the process gets its full pass at once (else the collector's
-    young passes, then a full one, walk it during the rank's planning); a small one in a large
-    heap is left to the young passes (a full pass would walk the whole heap for it)."""
+    """The unpickled objects leave the young generations at once (else the collector's young
+    passes, then a full one, walk them during the rank's planning), and no full collection walks
+    the whole heap for them."""
+    collected: list[int] = []
+    monkeypatch.setattr(metadata_io.gc, "collect", lambda *a: collected.append(1) or 0)
+    monkeypatch.setattr(metadata_io, "COLLECT_ABOVE_SHARE", 0.0)
+    assert gc.get_freeze_count() == 0
+    md = metadata_io.load_metadata(_Store(pickle.dumps(sample())))  # type: ignore[arg-type]
+    assert collected == []
+    assert gc.get_count()[0] < 50  # (a few allocations since)
+    assert any(o is md for o in gc.get_objects(generation=2))
+    assert gc.get_freeze_count() == 0
+
+
+def test_frozen_objects_stay_frozen_and_a_large_metadata_gets_one_full_collection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A process that froze objects (the training recipe) keeps them frozen; there, a .metadata
+    that is most of the process gets its full pass at once, a small one in a large heap is left
+    to the young passes (a full pass would walk the whole heap for it)."""
     assert metadata_io._collect_now(1_000_000, 1_500_000)  # a third of the blocks: new
     assert not metadata_io._collect_now(1_000_000, 1_010_000)
     collected: list[int] = []
     monkeypatch.setattr(metadata_io.gc, "collect", lambda *a: collected.append(1) or 0)
     blob = pickle.dumps(sample())
-    for share, expected in ((0.0, [1]), (1.0, [])):
-        collected.clear()
-        monkeypatch.setattr(metadata_io, "COLLECT_ABOVE_SHARE", share)
-        metadata_io.load_metadata(_Store(blob))  # type: ignore[arg-type]
-        assert collected == expected
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        for share, expected in ((0.0, [1]), (1.0, [])):
+            collected.clear()
+            monkeypatch.setattr(metadata_io, "COLLECT_ABOVE_SHARE", share)
+            metadata_io.load_metadata(_Store(blob))  # type: ignore[arg-type]
+            assert collected == expected
+            assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
