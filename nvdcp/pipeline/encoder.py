@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import os
 import threading
 from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
@@ -70,6 +71,7 @@ class ItemEncoder:
         # Nothing here touches CUDA: an encoder may be built (and pickled) before any GPU work.
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        self._small_pool: ThreadPoolExecutor | None = None
         self._pinned: PinnedPool | None = None
         self._idle: dict[tuple[torch.device, int], list[GpuEncoder]] = {}
 
@@ -89,6 +91,17 @@ class ItemEncoder:
                 self._pool = ThreadPoolExecutor(self.config.threads, thread_name_prefix="nvdcp-codec")
             return self._pool
 
+    def small_item_pool(self) -> ThreadPoolExecutor:
+        """The threads encoding batches of small items (created on first use): fewer than the
+        codec threads (:func:`small_item_threads`), since most of a small item's encode is Python
+        holding the GIL."""
+        with self._lock:
+            if self._small_pool is None:
+                self._small_pool = ThreadPoolExecutor(
+                    small_item_threads(self.config.threads), thread_name_prefix="nvdcp-small"
+                )
+            return self._small_pool
+
     @property
     def pinned(self) -> PinnedPool:
         """The pinned host pool of this encoder's GPU encoders (bounded by ``gpu.pinned_bytes()``)."""
@@ -102,11 +115,13 @@ class ItemEncoder:
     def close(self) -> None:
         """Stop the codec threads and free the GPU encoders and pinned buffers (reusable after)."""
         with self._lock:
-            pool, self._pool = self._pool, None
+            pools = [self._pool, self._small_pool]
+            self._pool = self._small_pool = None
             pinned, self._pinned = self._pinned, None
             self._idle.clear()
-        if pool is not None:
-            pool.shutdown(wait=True)
+        for pool in pools:
+            if pool is not None:
+                pool.shutdown(wait=True)
         if pinned is not None:
             pinned.close()
 
@@ -281,16 +296,16 @@ class ItemEncoder:
         """Encode ``(key, data)`` pairs; yields ``(key, record)``.
 
         CPU items are yielded in order. Small ones (under ``SMALL_ITEM_BYTES``) are encoded in
-        batches, one task of the codec pool per batch, several batches at once: their codec
-        work runs on every core instead of one item at a time on the caller's thread. Larger
-        items split their own blocks over the pool. GPU items are collected and encoded in
+        batches, one task of the small-item pool per batch (:meth:`small_item_pool`), while the
+        caller writes the records of the batches before. Larger items split their own blocks
+        over the codec pool. GPU items are collected and encoded in
         batched calls at the end (one nvCOMP call per codec and bucket, however many tensors).
         ``describe(key)`` names an item in errors. Chunks of GPU records view reused pinned
         memory: consume each record before asking for the next.
         """
         gpu_ok = gpu_available()
         jobs: list[GpuJob] = []
-        batches = _CpuBatches(self.codec_pool(), 2 * self.config.threads)
+        batches = _CpuBatches(self.small_item_pool(), 2 * small_item_threads(self.config.threads))
         try:
             for key, data in items:
                 tensor = data.tensor if isinstance(data, DeltaTensor) else data
@@ -332,6 +347,20 @@ class ItemEncoder:
 #: Items under this many bytes are encoded in batches on the codec pool (see encode_items);
 #: larger ones split their own blocks over it.
 SMALL_ITEM_BYTES = 1 << 20
+#: Cores per thread encoding small items' batches (:func:`small_item_threads`). A small item's
+#: encode is mostly Python (its codec and CRC calls take microseconds), so two threads encoding
+#: at once mostly wait for each other's GIL: on the 2-core CPU machine, 20,000 small tensors
+#: spent 3.9-4.4 s in write_data with one such thread and 6.2-6.5 s with two
+#: (``python -m benchmarks.small_item_threads``, benchmarks/results/small_item_threads_2026-12-01_cpu.json;
+#: encoding on each file's own thread instead measured 6.0-7.6 s).
+SMALL_ITEM_CORES_PER_THREAD = 4
+
+
+def small_item_threads(codec_threads: int) -> int:
+    """Threads encoding small items' batches at once, for ``codec_threads`` codec threads."""
+    return max(1, min(codec_threads, (os.cpu_count() or 1) // SMALL_ITEM_CORES_PER_THREAD))
+
+
 #: A batch of small items: one pool task of about this many bytes, or this many items.
 SMALL_BATCH_BYTES = 4 << 20
 SMALL_BATCH_ITEMS = 256
