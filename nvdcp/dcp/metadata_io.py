@@ -181,7 +181,8 @@ def promote_young_objects() -> bool:
     """Move every object the collector tracks into its oldest generation, without a collection
     (``gc.freeze()`` then ``gc.unfreeze()``: two list splices, O(1)). False, doing nothing,
     when the process keeps frozen objects (``gc.freeze()``, the training recipe in
-    docs/TRAINING.md): unfreezing would hand those back to the collector.
+    docs/TRAINING.md; CPython 3.12 freezes a few hundred of its own at start-up): unfreezing
+    would hand those back to the collector, so there the old rule (:func:`_collect_now`) runs.
 
     What a full collection after unpickling used to do, at none of its cost: on the CPU machine
     it walked the heap for 0.2-0.8 s after a 20,000-item ``.metadata`` (1.7x stock's whole

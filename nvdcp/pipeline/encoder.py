@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
-import os
 import threading
 from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
@@ -92,14 +91,11 @@ class ItemEncoder:
             return self._pool
 
     def small_item_pool(self) -> ThreadPoolExecutor:
-        """The threads encoding batches of small items (created on first use): fewer than the
-        codec threads (:func:`small_item_threads`), since most of a small item's encode is Python
-        holding the GIL."""
+        """The thread encoding batches of small items (created on first use): one
+        (:data:`SMALL_ITEM_THREADS`), since most of a small item's encode is Python holding the GIL."""
         with self._lock:
             if self._small_pool is None:
-                self._small_pool = ThreadPoolExecutor(
-                    small_item_threads(self.config.threads), thread_name_prefix="nvdcp-small"
-                )
+                self._small_pool = ThreadPoolExecutor(SMALL_ITEM_THREADS, thread_name_prefix="nvdcp-small")
             return self._small_pool
 
     @property
@@ -305,7 +301,7 @@ class ItemEncoder:
         """
         gpu_ok = gpu_available()
         jobs: list[GpuJob] = []
-        batches = _CpuBatches(self.small_item_pool(), 2 * small_item_threads(self.config.threads))
+        batches = _CpuBatches(self.small_item_pool(), 2 * SMALL_ITEM_THREADS)
         try:
             for key, data in items:
                 tensor = data.tensor if isinstance(data, DeltaTensor) else data
@@ -347,18 +343,14 @@ class ItemEncoder:
 #: Items under this many bytes are encoded in batches on the codec pool (see encode_items);
 #: larger ones split their own blocks over it.
 SMALL_ITEM_BYTES = 1 << 20
-#: Cores per thread encoding small items' batches (:func:`small_item_threads`). A small item's
-#: encode is mostly Python (its codec and CRC calls take microseconds), so two threads encoding
-#: at once mostly wait for each other's GIL: on the 2-core CPU machine, 20,000 small tensors
-#: spent 3.9-4.4 s in write_data with one such thread and 6.2-6.5 s with two
-#: (``python -m benchmarks.small_item_threads``, benchmarks/results/small_item_threads_2026-12-01_cpu.json;
-#: encoding on each file's own thread instead measured 6.0-7.6 s).
-SMALL_ITEM_CORES_PER_THREAD = 4
-
-
-def small_item_threads(codec_threads: int) -> int:
-    """Threads encoding small items' batches at once, for ``codec_threads`` codec threads."""
-    return max(1, min(codec_threads, (os.cpu_count() or 1) // SMALL_ITEM_CORES_PER_THREAD))
+#: Threads encoding small items' batches at once (the small-item pool). A small item's encode
+#: is mostly Python (its codec and CRC calls take microseconds), so threads encoding at once
+#: mostly wait for each other's GIL. 20,000 small tensors, write_data of a save
+#: (``python -m benchmarks.small_item_threads``): on the 2-core CPU machine 3.9-4.4 s with one
+#: thread, 6.2-6.5 s with two; on the H200 host's 16 cores 3.47 s with one, 4.04 / 5.69 / 6.04 /
+#: 7.89 s with 2 / 4 / 8 / 16 (benchmarks/results/small_item_threads_2026-12-01_{cpu,h200host}.json).
+#: The caller's thread writes the records of the batches before meanwhile.
+SMALL_ITEM_THREADS = 1
 
 
 #: A batch of small items: one pool task of about this many bytes, or this many items.

@@ -136,6 +136,27 @@ def test_gpu_records_decode_on_the_cpu_other_chunk_sizes(make_encoder: Any, chun
         assert decode_item(memoryview(records[key]), key, None, t.element_size())[0].chunk_bytes == chunk_bytes
 
 
+@pytest.mark.parametrize("codec", ["auto", "zstd"])
+def test_many_small_tensors_of_mixed_shapes_decode_on_the_cpu(
+    make_encoder: Any, codec: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Small tensors are split into planes in groups of one shape (several groups per shape here,
+    one-element tensors, tensors of exactly one block, 1-byte and 8-byte dtypes)."""
+    from nvdcp.gpu import encoder as gpu_encoder
+
+    monkeypatch.setattr(gpu_encoder, "SMALL_SPLIT_BYTES", 64 << 10)
+    enc = make_encoder(codec, 4096)
+    dtypes = [torch.float32, torch.bfloat16, torch.int8, torch.float64, torch.bool, torch.complex64]
+    sizes = [1, 7, 1000, 4096, 2048, 4095]
+    sd = {}
+    for i in range(300):
+        dtype, n = dtypes[i % len(dtypes)], sizes[(i // len(dtypes)) % len(sizes)]
+        sd[f"t{i}"] = random_tensor(dtype, (n,), seed=i).to(CUDA)
+    records = _collect(enc, sd.items())
+    for key, t in sd.items():
+        assert bit_equal(_cpu_decode(records[key], t.dtype, key), t.cpu()), key
+
+
 def test_items_spanning_several_buckets(make_encoder: Any) -> None:
     """A small GPU budget splits big tensors across buckets (partial records are copied out)."""
     enc = make_encoder("zstd", gpu=GpuConfig(gpu_memory_bytes=16 * MiB, pinned_memory_bytes=8 * MiB))

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from nvdcp.dcp.stager import HostBuffers
+from nvdcp.gpu import encoder as encoder_module
 from nvdcp.gpu.encoder import HostBucket, compaction_plan, granule_for, pack_chunks
 
 MiB = 1 << 20
@@ -181,3 +182,32 @@ def test_pooled_sink_releases_buckets_by_number_in_any_order() -> None:
     with pytest.raises(_Stopped):
         full.place(np.asarray([1]))
     full.release()
+
+
+# -- small tensors split into planes in groups --------------------------------------------------
+def _reference_split(source: torch.Tensor, first_slot: int, p: int, m: int, slots: torch.Tensor) -> None:
+    """The per-segment copy of a one-block segment (GpuEncoder._split_planes before grouping)."""
+    slots[first_slot : first_slot + p, :m].copy_(source.view(m, p).t())
+
+
+@pytest.mark.parametrize(("p", "m"), [(4, 1024), (2, 4096), (1, 3000), (8, 1), (4, 4096), (2, 1)])
+@pytest.mark.parametrize("group_bytes", [1 << 20, 3 * 4096])
+def test_small_tensors_split_in_groups_as_one_segment_at_a_time(
+    p: int, m: int, group_bytes: int, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rows land where the per-segment copies put them, whatever the group bound (several
+    groups, and a group of one); bytes of other rows and past ``m`` are untouched."""
+    monkeypatch.setattr(encoder_module, "SMALL_SPLIT_BYTES", group_bytes)
+    chunk = 4096
+    rng = np.random.default_rng(p * 7919 + m)
+    k = 13
+    sources = [torch.from_numpy(rng.integers(0, 256, size=m * p, dtype=np.uint8)) for _ in range(k)]
+    order = rng.permutation(k)  # slots in another order than the sources, with gaps
+    first_slots = [int(i) * (p + 1) for i in order]
+    fill = torch.from_numpy(rng.integers(0, 256, size=(k * (p + 1) + 3, chunk), dtype=np.uint8))
+    got, want = fill.clone(), fill.clone()
+    encoder_module.split_small_tensors(sources, first_slots, p, m, got)
+    for source, first in zip(sources, first_slots):
+        _reference_split(source, first, p, m, want)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, fill)

@@ -283,16 +283,6 @@ def test_encode_items_batches_small_items_with_a_bounded_look_ahead(enc: ItemEnc
     gen.close()
 
 
-@pytest.mark.parametrize(("cores", "codec_threads", "expected"), [(2, 2, 1), (1, 1, 1), (16, 16, 4), (16, 2, 2), (64, 64, 16)])
-def test_small_items_are_encoded_on_fewer_threads_than_the_codec_pool(
-    cores: int, codec_threads: int, expected: int, monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Small items' encodes are mostly Python holding the GIL: one thread per few cores, never
-    more than the codec threads."""
-    monkeypatch.setattr(encoder_module.os, "cpu_count", lambda: cores)
-    assert encoder_module.small_item_threads(codec_threads) == expected
-
-
 def test_small_item_batches_run_on_the_small_item_pool(enc: ItemEncoder, monkeypatch: pytest.MonkeyPatch) -> None:
     threads: list[str] = []
     real = encoder_module._run_batch
@@ -305,7 +295,7 @@ def test_small_item_batches_run_on_the_small_item_pool(enc: ItemEncoder, monkeyp
     items = [(i, torch.full((16,), float(i))) for i in range(2 * SMALL_BATCH_ITEMS)]
     assert [k for k, _ in enc.encode_items(items, str)] == list(range(2 * SMALL_BATCH_ITEMS))
     assert threads and all(name.startswith("nvdcp-small") for name in threads)
-    assert enc.small_item_pool()._max_workers == encoder_module.small_item_threads(enc.config.threads)
+    assert enc.small_item_pool()._max_workers == encoder_module.SMALL_ITEM_THREADS == 1  # GIL-bound work
     enc.close()  # both pools stop; the encoder is reusable
     assert [k for k, _ in enc.encode_items(items[:3], str)] == [0, 1, 2]
 
