@@ -2,6 +2,7 @@
 
     python -m benchmarks.cpu_pipeline_bench [--repeats 3] [--cases small,large,demo] [--dir /tmp/nvdcp-cpu-pipeline]
     python -m benchmarks.cpu_pipeline_bench --profile small-load   # cProfile of one nvdcp op
+    python -m benchmarks.cpu_pipeline_bench --device cuda --cases small --dir /dev/shm/x   # GPU tensors
 
 Cases (local disk, warm page cache; default arguments for both writers and readers):
 
@@ -205,8 +206,8 @@ def _warm(path: str) -> None:
                 pass
 
 
-def measure(case: str, root: str, repeats: int) -> list[dict[str, Any]]:
-    state = WORKLOADS[case]()
+def measure(case: str, root: str, repeats: int, device: str = "cpu") -> list[dict[str, Any]]:
+    state = _to_device(WORKLOADS[case](), device)
     items = sum(1 for _ in _leaves(state))
     paths = {kind: os.path.join(root, f"{case}_{kind}") for kind in ("stock", "nvdcp")}
     targets = {kind: zeros_like_state(state) for kind in paths}
@@ -223,11 +224,14 @@ def measure(case: str, root: str, repeats: int) -> list[dict[str, Any]]:
                 runs.setdefault((kind, "load"), []).append(loaded)
     rows = []
     raw = tensor_bytes(state)
-    fresh_rss = {kind: fresh_load_rss(case, kind, path) for kind, path in paths.items()} if case == "large" else {}
+    fresh_rss = (
+        {kind: fresh_load_rss(case, kind, path) for kind, path in paths.items()}
+        if case == "large" and device == "cpu" else {}
+    )
     for (kind, op), rs in runs.items():
         med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
         rows.append({
-            "case": case, "writer": kind, "op": op, "items": items, "raw_bytes": raw,
+            "case": case, "device": device, "writer": kind, "op": op, "items": items, "raw_bytes": raw,
             "stored_bytes": dir_bytes(paths[kind]), "median_s": med["wall_s"], "min_s": min(r["wall_s"] for r in rs),
             "own_s": med["own_s"], "own_us_per_item": med["own_s"] / items * 1e6,
             "dcp_planning_s": med["wall_s"] - med["own_s"],
@@ -245,6 +249,20 @@ def measure(case: str, root: str, repeats: int) -> list[dict[str, Any]]:
         if stock["rss_extra_mib"] > 0:
             row["rss_vs_stock"] = row["rss_extra_mib"] / stock["rss_extra_mib"]
     return rows
+
+
+def _to_device(state: Any, device: str) -> Any:
+    """``state`` with its tensors on ``device`` (``--device cuda``: the same states as GPU
+    tensors, saved from and loaded into GPU memory)."""
+    if device == "cpu":
+        return state
+    if isinstance(state, torch.Tensor):
+        return state.to(device)
+    if isinstance(state, dict):
+        return {k: _to_device(v, device) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_to_device(v, device) for v in state]
+    return state
 
 
 def fresh_load_rss(case: str, kind: str, path: str) -> float:
@@ -313,6 +331,7 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/nvdcp-cpu-pipeline")
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     ap.add_argument("--profile", default=None, help="cProfile one nvdcp op instead: CASE-save or CASE-load")
+    ap.add_argument("--device", default="cpu", help="where the state's tensors live (cpu, or cuda: GPU tensors)")
     ap.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rss_child:
@@ -326,17 +345,17 @@ def main() -> None:
                "dcp_planning_s", "read_metadata_s", "read_metadata_vs_stock", "rss_extra_mib", "rss_vs_stock",
                "bit_exact"]
     for case in args.cases.split(","):
-        case_rows = measure(case, args.dir, args.repeats)
+        case_rows = measure(case, args.dir, args.repeats, args.device)
         rows += case_rows
         print(markdown_table(case_rows, columns), flush=True)
     print()
     print(markdown_table(rows, columns))
     load = os.getloadavg()
     target = write_results("cpu_pipeline_bench", {
-        "machine_note": f"CPU machine, {os.cpu_count()} cores, torch {torch.__version__}, local disk, page cache "
-                        f"warm; load average at the end {load}",
+        "machine_note": f"{os.cpu_count()} cores, torch {torch.__version__}, tensors on {args.device}, storage at "
+                        f"{args.dir}, page cache warm; load average at the end {load}",
         "settings": vars(args), "targets": TARGETS, "rows": rows,
-    }, args.out)
+    }, args.out, suffix="" if args.device == "cpu" else f"_{args.device}")
     print(f"\n-> {target}  (machine: {machine()})")
 
 
