@@ -340,8 +340,8 @@ class ItemEncoder:
         raise AssertionError("encode_items yields one record per item")
 
 
-#: Items under this many bytes are encoded in batches on the codec pool (see encode_items);
-#: larger ones split their own blocks over it.
+#: Items under this many bytes are encoded in batches on the small-item pool (see encode_items);
+#: larger ones split their own blocks over the codec pool.
 SMALL_ITEM_BYTES = 1 << 20
 #: Threads encoding small items' batches at once (the small-item pool). A small item's encode
 #: is mostly Python (its codec and CRC calls take microseconds), so threads encoding at once
