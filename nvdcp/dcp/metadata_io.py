@@ -512,12 +512,13 @@ def _tile(fqn: str, md: TensorStorageMetadata, where: str) -> list[tuple[tuple[i
 
 def _whole(chunk: Any, size: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """``chunk``'s (offsets, sizes) when it covers the whole tensor of ``size`` exactly (int
-    offsets all 0, int sizes equal to ``size``); None otherwise (the general checks decide)."""
+    offsets all 0, int sizes >= 0 equal to ``size``); None otherwise (the general checks decide
+    and name what is wrong)."""
     try:
         offsets, sizes = chunk.offsets, chunk.sizes
         if len(offsets) != len(size) or any(offsets) or tuple(sizes) != size:
             return None
-        if not set(map(type, offsets)) | set(map(type, sizes)) <= {int}:
+        if not set(map(type, offsets)) | set(map(type, sizes)) <= {int} or min(size, default=0) < 0:
             return None
     except (AttributeError, TypeError):
         return None

@@ -164,6 +164,14 @@ DAMAGE: dict[str, Callable[[Metadata], None]] = {
     "whole chunk moved": _set_chunk("w", 0, "offsets", torch.Size([1, 0])),
     "whole chunk wrong rank": _set_chunk("w", 0, "sizes", torch.Size([10])),
     "whole chunk sizes None": _set_chunk("w", 0, "sizes", None),
+    "whole chunk of a negative size": lambda md: (
+        setattr(md.state_dict_metadata["w"], "size", torch.Size([-5, 2])),
+        _set_chunk("w", 0, "sizes", torch.Size([-5, 2]))(md),
+    ),
+    "whole chunk of a zero size": lambda md: (
+        setattr(md.state_dict_metadata["w"], "size", torch.Size([0, 2])),
+        _set_chunk("w", 0, "sizes", torch.Size([0, 2]))(md),
+    ),
     "chunks None": lambda md: setattr(md.state_dict_metadata["c"], "chunks", None),
     "described by a chunk": lambda md: md.state_dict_metadata.__setitem__("s", _chunk(md, "a", 0)),
     "no records": lambda md: setattr(md, "storage_data", None),
@@ -178,7 +186,9 @@ def test_damaged_metadata_refused_as_before(damage: str) -> None:
     DAMAGE[damage](md)
     got, want = outcome(metadata_io.check_records, md), outcome(reference.check_records, md)
     assert got == want
-    assert (want is None) == (damage in ("none", "no descriptors", "missing descriptors", "descriptor list"))
+    assert (want is None) == (damage in (
+        "none", "no descriptors", "missing descriptors", "descriptor list", "whole chunk of a zero size",
+    ))
 
 
 POOL = [-1, 0, 1, 2, 3, 4, 6, 7, 8, 100, 1.0, True, None, "2", (0,), (1, 0), (0, 0, 0)]
