@@ -48,7 +48,6 @@ METADATA_NAME = ".metadata"
 #: Largest ``.metadata`` read. DCP's pickle takes about 200 bytes per item: a 7B model's FSDP2
 #: save on 16,384 ranks (14.3 million items) is 2.8 GB, past the 2 GiB this was (docs/SCALE.md).
 MAX_METADATA_BYTES = 1 << 34
-#: In a process that froze objects of its own (where :func:`promote_young_objects` cannot run),
 #: :func:`load_metadata` runs one full garbage collection after unpickling (with the collector
 #: paused) when the new objects are more than this share of the process's memory blocks: about
 #: when CPython's own rule (objects promoted since the last full pass > a quarter of those that
@@ -168,32 +167,15 @@ def load_metadata(storage: Storage, *, allow_paths: bool = False) -> Metadata:
         if not isinstance(metadata, Metadata):
             raise CorruptCheckpointError(f"{where}: holds {type(metadata).__name__}, not Metadata")
         check_records(metadata, where)
-    if gc.isenabled():
+    if gc.isenabled() and _collect_now(blocks_before, sys.getallocatedblocks()):
         # The objects just built are all young: left so, the collector's next passes (two young
         # ones, then a full one) would walk them all during whatever runs next (a rank's load
-        # plan ran 2x slower at 64 ranks). Moved to the oldest generation now, they are not.
-        if not promote_young_objects() and _collect_now(blocks_before, sys.getallocatedblocks()):
-            gc.collect()  # the process froze objects of its own: one full pass (it skips those)
+        # plan ran 2x slower at 64 ranks). One full pass now costs less and leaves them old.
+        # (Moving them to the oldest generation without a collection, gc.freeze() + unfreeze(),
+        # was tried: it moves the process's young garbage too, uncollected until the next full
+        # pass; the reader fuzz target, capped in address space, ran out of memory with it.)
+        gc.collect()
     return metadata
-
-
-def promote_young_objects() -> bool:
-    """Move every object the collector tracks into its oldest generation, without a collection
-    (``gc.freeze()`` then ``gc.unfreeze()``: two list splices, O(1)). False, doing nothing,
-    when the process keeps frozen objects (``gc.freeze()``, the training recipe in
-    docs/TRAINING.md; CPython 3.12 freezes a few hundred of its own at start-up): unfreezing
-    would hand those back to the collector, so there the old rule (:func:`_collect_now`) runs.
-
-    What a full collection after unpickling used to do, at none of its cost: on the CPU machine
-    it walked the heap for 0.2-0.8 s after a 20,000-item ``.metadata`` (1.7x stock's whole
-    ``read_metadata``). Objects promoted so do not count towards the next full collection, which
-    CPython starts only once a quarter of its old objects are new since the last one.
-    """
-    if gc.get_freeze_count():
-        return False
-    gc.freeze()
-    gc.unfreeze()
-    return True
 
 
 def _collect_now(blocks_before: int, blocks_after: int) -> bool:

@@ -70,7 +70,9 @@ class ItemEncoder:
         # Nothing here touches CUDA: an encoder may be built (and pickled) before any GPU work.
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
-        self._small_pool: ThreadPoolExecutor | None = None
+        # Small items' batches run on the codec pool, at most SMALL_ITEM_THREADS at once (a
+        # pool of their own would add a thread, and its stack and malloc arena, to every process).
+        self._small_gate = threading.BoundedSemaphore(SMALL_ITEM_THREADS)
         self._pinned: PinnedPool | None = None
         self._idle: dict[tuple[torch.device, int], list[GpuEncoder]] = {}
 
@@ -90,14 +92,6 @@ class ItemEncoder:
                 self._pool = ThreadPoolExecutor(self.config.threads, thread_name_prefix="nvdcp-codec")
             return self._pool
 
-    def small_item_pool(self) -> ThreadPoolExecutor:
-        """The thread encoding batches of small items (created on first use): one
-        (:data:`SMALL_ITEM_THREADS`), since most of a small item's encode is Python holding the GIL."""
-        with self._lock:
-            if self._small_pool is None:
-                self._small_pool = ThreadPoolExecutor(SMALL_ITEM_THREADS, thread_name_prefix="nvdcp-small")
-            return self._small_pool
-
     @property
     def pinned(self) -> PinnedPool:
         """The pinned host pool of this encoder's GPU encoders (bounded by ``gpu.pinned_bytes()``)."""
@@ -111,13 +105,11 @@ class ItemEncoder:
     def close(self) -> None:
         """Stop the codec threads and free the GPU encoders and pinned buffers (reusable after)."""
         with self._lock:
-            pools = [self._pool, self._small_pool]
-            self._pool = self._small_pool = None
+            pool, self._pool = self._pool, None
             pinned, self._pinned = self._pinned, None
             self._idle.clear()
-        for pool in pools:
-            if pool is not None:
-                pool.shutdown(wait=True)
+        if pool is not None:
+            pool.shutdown(wait=True)
         if pinned is not None:
             pinned.close()
 
@@ -292,16 +284,16 @@ class ItemEncoder:
         """Encode ``(key, data)`` pairs; yields ``(key, record)``.
 
         CPU items are yielded in order. Small ones (under ``SMALL_ITEM_BYTES``) are encoded in
-        batches, one task of the small-item pool per batch (:meth:`small_item_pool`), while the
-        caller writes the records of the batches before. Larger items split their own blocks
-        over the codec pool. GPU items are collected and encoded in
+        batches, one task of the codec pool per batch, at most ``SMALL_ITEM_THREADS`` batches
+        of this encoder running at once, while the caller writes the records of the batches
+        before. Larger items split their own blocks over the codec pool. GPU items are collected and encoded in
         batched calls at the end (one nvCOMP call per codec and bucket, however many tensors).
         ``describe(key)`` names an item in errors. Chunks of GPU records view reused pinned
         memory: consume each record before asking for the next.
         """
         gpu_ok = gpu_available()
         jobs: list[GpuJob] = []
-        batches = _CpuBatches(self.small_item_pool(), 2 * SMALL_ITEM_THREADS)
+        batches = _CpuBatches(self.codec_pool(), 2 * SMALL_ITEM_THREADS, self._small_gate)
         try:
             for key, data in items:
                 tensor = data.tensor if isinstance(data, DeltaTensor) else data
@@ -340,10 +332,10 @@ class ItemEncoder:
         raise AssertionError("encode_items yields one record per item")
 
 
-#: Items under this many bytes are encoded in batches on the small-item pool (see encode_items);
-#: larger ones split their own blocks over the codec pool.
+#: Items under this many bytes are encoded in batches (see encode_items); larger ones split their
+#: own blocks over the codec pool.
 SMALL_ITEM_BYTES = 1 << 20
-#: Threads encoding small items' batches at once (the small-item pool). A small item's encode
+#: Small items' batches an encoder runs at once (writers of one setting share an encoder). A small item's encode
 #: is mostly Python (its codec and CRC calls take microseconds), so threads encoding at once
 #: mostly wait for each other's GIL. 20,000 small tensors, write_data of a save
 #: (``python -m benchmarks.small_item_threads``): on the 2-core CPU machine 3.9-4.4 s with one
@@ -368,17 +360,19 @@ def _nbytes(data: ItemData) -> int:
     return memoryview(data).nbytes  # type: ignore[arg-type]  # numpy arrays are buffers
 
 
-def _run_batch(encodes: list[Callable[[], EncodedItem]]) -> list[EncodedItem]:
-    return [encode() for encode in encodes]
+def _run_batch(encodes: list[Callable[[], EncodedItem]], gate: threading.BoundedSemaphore) -> list[EncodedItem]:
+    with gate:  # a pool thread waiting here holds no GIL; the batch holding the gate needs nothing else
+        return [encode() for encode in encodes]
 
 
 class _CpuBatches:
     """Small items' encodes grouped into pool tasks, ``window`` tasks in flight at most, their
     records handed back in the order the items came."""
 
-    def __init__(self, pool: ThreadPoolExecutor, window: int) -> None:
+    def __init__(self, pool: ThreadPoolExecutor, window: int, gate: threading.BoundedSemaphore) -> None:
         self.pool = pool
         self.window = max(1, window)
+        self.gate = gate
         self.keys: list[Any] = []
         self.encodes: list[Callable[[], EncodedItem]] = []
         self.nbytes = 0
@@ -410,7 +404,7 @@ class _CpuBatches:
 
     def _submit(self) -> None:
         if self.keys:
-            self.pending.append((self.keys, self.pool.submit(_run_batch, self.encodes)))
+            self.pending.append((self.keys, self.pool.submit(_run_batch, self.encodes, self.gate)))
             self.keys, self.encodes, self.nbytes = [], [], 0
 
     def _pop(self) -> Iterator[tuple[Any, EncodedItem]]:

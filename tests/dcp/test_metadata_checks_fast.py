@@ -400,44 +400,19 @@ def test_metadata_of_16k_ranks_is_within_the_size_bound() -> None:
     assert metadata_io.MAX_METADATA_BYTES >= 16_384 * 873 * 200 * 2
 
 
-def test_new_objects_promoted_to_the_oldest_generation_without_a_collection(
+def test_one_full_collection_only_when_the_metadata_is_a_large_share_of_the_heap(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The unpickled objects leave the young generations at once (else the collector's young
-    passes, then a full one, walk them during the rank's planning), and no full collection walks
-    the whole heap for them."""
-    if gc.get_freeze_count():
-        pytest.skip("this interpreter keeps frozen objects of its own (CPython 3.12 does)")
-    collected: list[int] = []
-    monkeypatch.setattr(metadata_io.gc, "collect", lambda *a: collected.append(1) or 0)
-    monkeypatch.setattr(metadata_io, "COLLECT_ABOVE_SHARE", 0.0)
-    md = metadata_io.load_metadata(_Store(pickle.dumps(sample())))  # type: ignore[arg-type]
-    assert collected == []
-    assert gc.get_count()[0] < 50  # (a few allocations since)
-    assert any(o is md for o in gc.get_objects(generation=2))
-    assert gc.get_freeze_count() == 0
-
-
-def test_frozen_objects_stay_frozen_and_a_large_metadata_gets_one_full_collection(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A process that froze objects (the training recipe) keeps them frozen; there, a .metadata
-    that is most of the process gets its full pass at once, a small one in a large heap is left
-    to the young passes (a full pass would walk the whole heap for it)."""
+    """A .metadata that is most of the process gets its full pass at once (else the collector's
+    young passes, then a full one, walk it during the rank's planning); a small one in a large
+    heap is left to the young passes (a full pass would walk the whole heap for it)."""
     assert metadata_io._collect_now(1_000_000, 1_500_000)  # a third of the blocks: new
     assert not metadata_io._collect_now(1_000_000, 1_010_000)
     collected: list[int] = []
     monkeypatch.setattr(metadata_io.gc, "collect", lambda *a: collected.append(1) or 0)
     blob = pickle.dumps(sample())
-    gc.freeze()
-    try:
-        frozen = gc.get_freeze_count()
-        assert frozen
-        for share, expected in ((0.0, [1]), (1.0, [])):
-            collected.clear()
-            monkeypatch.setattr(metadata_io, "COLLECT_ABOVE_SHARE", share)
-            metadata_io.load_metadata(_Store(blob))  # type: ignore[arg-type]
-            assert collected == expected
-            assert gc.get_freeze_count() == frozen
-    finally:
-        gc.unfreeze()
+    for share, expected in ((0.0, [1]), (1.0, [])):
+        collected.clear()
+        monkeypatch.setattr(metadata_io, "COLLECT_ABOVE_SHARE", share)
+        metadata_io.load_metadata(_Store(blob))  # type: ignore[arg-type]
+        assert collected == expected

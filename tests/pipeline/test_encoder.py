@@ -6,7 +6,9 @@ import io
 import itertools
 import pickle
 import threading
+import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -283,21 +285,40 @@ def test_encode_items_batches_small_items_with_a_bounded_look_ahead(enc: ItemEnc
     gen.close()
 
 
-def test_small_item_batches_run_on_the_small_item_pool(enc: ItemEncoder, monkeypatch: pytest.MonkeyPatch) -> None:
-    threads: list[str] = []
-    real = encoder_module._run_batch
+def test_small_item_batches_run_one_at_a_time_on_the_codec_pool(
+    enc: ItemEncoder, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Small items' batches are GIL-bound: two file threads' batches never run at once, and no
+    thread is added for them (the codec pool runs them)."""
+    running, most, threads = [0], [0], set()
+    lock = threading.Lock()
+    real = enc._encode_cpu
 
-    def run(encodes: list) -> list:  # type: ignore[type-arg]
-        threads.append(threading.current_thread().name)
-        return real(encodes)
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            threads.add(threading.current_thread().name)
+        time.sleep(0.0005)
+        with lock:
+            running[0] -= 1
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(encoder_module, "_run_batch", run)
-    items = [(i, torch.full((16,), float(i))) for i in range(2 * SMALL_BATCH_ITEMS)]
-    assert [k for k, _ in enc.encode_items(items, str)] == list(range(2 * SMALL_BATCH_ITEMS))
-    assert threads and all(name.startswith("nvdcp-small") for name in threads)
-    assert enc.small_item_pool()._max_workers == encoder_module.SMALL_ITEM_THREADS == 1  # GIL-bound work
-    enc.close()  # both pools stop; the encoder is reusable
-    assert [k for k, _ in enc.encode_items(items[:3], str)] == [0, 1, 2]
+    monkeypatch.setattr(enc, "_encode_cpu", watched)
+    items = [(i, torch.full((16,), float(i))) for i in range(4 * SMALL_BATCH_ITEMS)]
+    results: list[list[int]] = [[], []]
+
+    def one_file(k: int) -> None:
+        results[k] = [key for key, _ in enc.encode_items(items, str)]
+
+    files = [threading.Thread(target=one_file, args=(k,)) for k in range(2)]
+    for t in files:
+        t.start()
+    for t in files:
+        t.join()
+    assert results == [list(range(len(items)))] * 2
+    assert most[0] == encoder_module.SMALL_ITEM_THREADS == 1
+    assert threads and all(name.startswith("nvdcp-codec") for name in threads)
 
 
 def test_encode_items_error_in_a_batch_names_the_item(enc: ItemEncoder) -> None:
