@@ -82,3 +82,19 @@ def test_constant_and_patterned_data(mode: str) -> None:
         got = crc.checksum_ranges(buf, np.ones(4, dtype=np.int64), lengths, threads=2)
         view = memoryview(buf)
         assert got.tolist() == [crc32c.crc32c(view[1 : 1 + n]) for n in lengths.tolist()]
+
+
+@pytest.mark.parametrize("n", [1, 2, crc.FEW_RANGES, crc.FEW_RANGES + 1])
+@pytest.mark.parametrize("size", [0, 4096, crc.FEW_RANGES_BYTES // crc.FEW_RANGES, 70_000])
+def test_few_ranges_on_this_thread_equal_the_batched_call(mode: str, n: int, size: int) -> None:
+    """A small record's few chunks are summed by the crc32c package on this thread (no native
+    call): the same values as the batched path, whichever path a count and size take."""
+    rng = np.random.default_rng(n * 7 + size)
+    buf = rng.integers(0, 256, size=n * size + 17, dtype=np.uint8)
+    offsets = np.arange(n, dtype=np.int64) * size + 17
+    lengths = np.full(n, size, dtype=np.int64)
+    view = memoryview(buf)
+    want = [crc32c.crc32c(view[o : o + size]) for o in offsets.tolist()]
+    assert crc.checksum_ranges(buf, offsets, lengths).tolist() == want
+    with pytest.raises(ValueError, match="outside"):
+        crc.checksum_ranges(buf, offsets + 18, lengths) if size else crc.checksum_ranges(buf, offsets - 18, lengths)
