@@ -286,8 +286,9 @@ class ItemEncoder:
         CPU items are yielded in order. Small ones (under ``SMALL_ITEM_BYTES``) are encoded in
         batches, one task of the codec pool per batch, at most ``SMALL_ITEM_THREADS`` batches
         of this encoder running at once, while the caller writes the records of the batches
-        before. Larger items split their own blocks over the codec pool. GPU items are collected and encoded in
-        batched calls at the end (one nvCOMP call per codec and bucket, however many tensors).
+        before. Larger items split their own blocks over the codec pool. GPU items are
+        collected and encoded in batched calls at the end (one nvCOMP call per codec and
+        bucket, however many tensors).
         ``describe(key)`` names an item in errors. Chunks of GPU records view reused pinned
         memory: consume each record before asking for the next.
         """
@@ -335,9 +336,9 @@ class ItemEncoder:
 #: Items under this many bytes are encoded in batches (see encode_items); larger ones split their
 #: own blocks over the codec pool.
 SMALL_ITEM_BYTES = 1 << 20
-#: Small items' batches an encoder runs at once (writers of one setting share an encoder). A small item's encode
-#: is mostly Python (its codec and CRC calls take microseconds), so threads encoding at once
-#: mostly wait for each other's GIL. 20,000 small tensors, write_data of a save
+#: Small items' batches an encoder runs at once (writers of one setting share an encoder). A
+#: small item's encode is mostly Python (its codec and CRC calls take microseconds), so threads
+#: encoding at once mostly wait for each other's GIL. 20,000 small tensors, write_data of a save
 #: (``python -m benchmarks.small_item_threads``): on the 2-core CPU machine 3.9-4.4 s with one
 #: thread, 6.2-6.5 s with two; on the H200 host's 16 cores 3.47 s with one, 4.04 / 5.69 / 6.04 /
 #: 7.89 s with 2 / 4 / 8 / 16 (benchmarks/results/small_item_threads_2026-12-01_{cpu,h200host}.json).
