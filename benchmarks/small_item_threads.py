@@ -4,7 +4,7 @@
 
 Saves the ``small`` state of :mod:`benchmarks.cpu_pipeline_bench` (20,000 CPU tensors of
 4 KiB-1 MiB) with default ``NvcompWriter`` arguments, once per value of
-``nvdcp.pipeline.encoder.SMALL_ITEM_THREADS`` (the threads of the encoder's small-item pool),
+``nvdcp.pipeline.encoder.SMALL_ITEM_THREADS`` (small-item batches an encoder runs at once),
 the values alternating within each repeat so machine noise hits all alike. (The first runs, on
 2026-12-01, swept cores per thread instead: ``cores_per_thread`` in their JSON.) Reports
 ``write_data``'s wall time (the storage layer's share of a save: encoding and writing; DCP's
@@ -59,7 +59,7 @@ def main() -> None:
         for repeat in range(args.repeats + 1):  # the first round warms up (page cache, pools)
             for value in values:
                 encoder_module.SMALL_ITEM_THREADS = value
-                encoder_module.close_shared_encoders()  # the small-item pool is sized when first used
+                encoder_module.close_shared_encoders()  # an encoder sizes its small-item gate when built
                 path = fresh_dir(os.path.join(args.dir, "ckpt"))
                 t0 = time.perf_counter()
                 dcp.save(state, storage_writer=nvdcp.NvcompWriter(path, on_identical_save="ignore"))
