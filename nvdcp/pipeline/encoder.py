@@ -339,7 +339,7 @@ SMALL_ITEM_BYTES = 1 << 20
 #: Small items' batches an encoder runs at once (writers of one setting share an encoder). A
 #: small item's encode is mostly Python (its codec and CRC calls take microseconds), so threads
 #: encoding at once mostly wait for each other's GIL. 20,000 small tensors, write_data of a save
-#: (``python -m benchmarks.small_item_threads``): on the 2-core CPU machine 3.9-4.4 s with one
+#: (``python -m benchmarks.small_item_threads``): on the 2-core CPU machine 3.9-4.7 s with one
 #: thread, 6.2-6.5 s with two; on the H200 host's 16 cores 3.47 s with one, 4.04 / 5.69 / 6.04 /
 #: 7.89 s with 2 / 4 / 8 / 16 (benchmarks/results/small_item_threads_2026-12-01_{cpu,h200host}.json).
 #: The caller's thread writes the records of the batches before meanwhile.
