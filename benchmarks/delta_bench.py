@@ -111,6 +111,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--verify-all", action="store_true", help="also load every checkpoint of every chain")
     p.add_argument("--small", action="store_true", help="tiny model and chains (smoke test)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true",
+                   help="per variant, one more delta save and load (against the checkpoint --profile-gap "
+                        "steps earlier) and a full save and load of the same state, each under a stack "
+                        "sampler, with each one's phase times (JSON: profiles)")
+    p.add_argument("--profile-gap", type=int, default=10, help="steps between the two states --profile uses")
     args = p.parse_args(argv)
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -158,6 +163,8 @@ def train(args: argparse.Namespace) -> tuple[dict[int, dict[str, Any]], dict[str
     device, cfg = args.device, args.cfg
     last = args.warm_steps + max(args.interval_list) * (args.checkpoints - 1)
     wanted = {last - i * k for i in range(args.checkpoints) for k in args.interval_list}
+    if getattr(args, "profile", False):
+        wanted.add(last - args.profile_gap)
     torch.manual_seed(args.seed)
     model = GPT(cfg).to(device)
     cuda = device == "cuda"
@@ -350,6 +357,52 @@ def _max(xs: list[int | None]) -> int | None:
     return max(vals) if vals else None
 
 
+def profile_delta(variant: str, base_state: dict[str, Any], state: dict[str, Any], root: str,
+                  args: argparse.Namespace) -> dict[str, Any]:
+    """One delta save and load of ``state`` against ``base_state``'s checkpoint and a full save
+    and load of ``state``, each after an unprofiled warm-up, under a stack sampler: where the
+    delta's extra time goes."""
+    from benchmarks.gpu_pipeline_bench import StackSampler
+
+    folder = fresh_dir(os.path.join(root, f"profile_{variant}"))
+    out: dict[str, Any] = {}
+
+    def run(label: str, fn: Any, owner: Any) -> None:
+        sync(args.device)
+        with StackSampler() as sampler:
+            t0 = time.perf_counter()
+            fn()
+            sync(args.device)
+            seconds = time.perf_counter() - t0
+        report = getattr(owner, "last_report", None)
+        out[label] = {"s": round(seconds, 4), "phases": report.as_dict() if report is not None else None,
+                      "profile": sampler.summary()}
+        print(f"  [profile {variant}] {label}: {seconds:.3f} s", flush=True)
+
+    for attempt in ("warm", "timed"):
+        policy = nvdcp.DeltaPolicy(full_every=8, min_gain=args.min_gain)
+        base = os.path.join(folder, f"{attempt}_base")
+        dcp.save(base_state, storage_writer=nvdcp.NvcompWriter(base, delta=policy), no_dist=True)
+        delta, full = os.path.join(folder, f"{attempt}_delta"), os.path.join(folder, f"{attempt}_full")
+        writers = (nvdcp.NvcompWriter(delta, delta=policy), nvdcp.NvcompWriter(full))
+        if attempt == "warm":
+            for w in writers:
+                dcp.save(state, storage_writer=w, no_dist=True)
+            for path in (delta, full):
+                dcp.load(zeros_like_state(state), storage_reader=nvdcp.NvcompReader(path), no_dist=True)
+            continue
+        run("delta_save", lambda: dcp.save(state, storage_writer=writers[0], no_dist=True), writers[0])
+        run("full_save", lambda: dcp.save(state, storage_writer=writers[1], no_dist=True), writers[1])
+        for label, path in (("delta_load", delta), ("full_load", full)):
+            reader = nvdcp.NvcompReader(path)
+            dest = zeros_like_state(state)
+            run(label, lambda: dcp.load(dest, storage_reader=reader, no_dist=True), reader)
+            out[label]["bit_exact"] = states_equal(dest, state)
+        policy.forget()
+    shutil.rmtree(folder, ignore_errors=True)
+    return out
+
+
 def run_combo(variant: str, interval: int, states: list[tuple[int, dict[str, Any]]], root: str,
               args: argparse.Namespace) -> dict[str, Any]:
     folder = fresh_dir(os.path.join(root, f"{variant}_every{interval}"))
@@ -530,6 +583,7 @@ def main(argv: list[str] | None = None) -> Path:
               f"{args.device}) in {train_info['train_s']} s, loss {train_info['final_loss']}", flush=True)
         last = max(snaps)
         combos, warm = [], {}
+        profiles: dict[str, Any] = {}
         for variant in args.variant_list:
             cache: dict[int, dict[str, Any]] = {}
 
@@ -539,6 +593,8 @@ def main(argv: list[str] | None = None) -> Path:
                 return cache[step]
 
             warm[variant] = round(warm_up(variant, state_at(last), root, args), 2)
+            if args.profile:
+                profiles[variant] = profile_delta(variant, state_at(last - args.profile_gap), state_at(last), root, args)
             for interval in args.interval_list:
                 steps = [last - interval * i for i in reversed(range(args.checkpoints))]
                 combos.append(run_combo(variant, interval, [(s, state_at(s)) for s in steps], root, args))
@@ -575,6 +631,7 @@ def main(argv: list[str] | None = None) -> Path:
             "cache_MiB: DeltaPolicy.cache.used after the chain (host copy of the last save kept between saves)",
         ],
         "rows": rows, "targets": checks, "all_bit_exact": exact, "combos": combos, "total_s": round(total_s, 1),
+        "profiles": profiles,
     }
     target = write_results("delta_bench", payload, args.out, suffix=args.suffix)
     print(f"\ntotal {total_s:.0f} s; wrote {target}")

@@ -14,6 +14,7 @@ against ``.metadata`` (dtype, shape, range inside its file), then committed the 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -27,7 +28,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future as PyFuture
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import numpy as np
 import torch
@@ -450,15 +451,15 @@ class NvcompReader(StorageReader):
                 f"{base.where(index)} has digest {digest_of_header(base_header):#010x}: not the base of this delta"
             )
 
-    def _load_deltas(self, indexes: list[MetadataIndex], devices: dict[MetadataIndex, torch.device | None],
+    def _delta_loads(self, indexes: list[MetadataIndex], devices: dict[MetadataIndex, torch.device | None],
                      report: Report, by_item: dict[MetadataIndex, list[ReadItem]], planner: LoadPlanner,
-                     ) -> Iterator[tuple[MetadataIndex, ItemHeader, Any]]:
-        """Delta items, each rebuilt from its chain on the I/O threads (on its decode device's
-        GPU in batches when it has one, :meth:`_load_delta_batch_gpu`; else in groups on the host,
-        :meth:`_load_delta_group_cpu`, straight into the destination when one request wants the
-        whole item in a dense CPU tensor)."""
-        if not indexes:
-            return
+                     pool: ThreadPoolExecutor, gpu_slots: threading.BoundedSemaphore) -> _Window:
+        """Delta items, each rebuilt from its chain on ``pool`` while the other items load: on its
+        decode device's GPU in batches when it has one (every level of a batch's chains decoded
+        at once, :meth:`_start_delta_batch_gpu`), else in groups on the host
+        (:meth:`_load_delta_group_cpu`, straight into the destination when one request wants the
+        whole item in a dense CPU tensor). Every item's chain is planned from the ``.metadata``
+        of each level first: a base missing an item raises before any record is read."""
         # destinations resolved here, on the calling thread (see _fetch_and_decode)
         targets: dict[MetadataIndex, tuple[torch.Tensor, np.ndarray]] = {}
         for index in indexes:
@@ -473,14 +474,13 @@ class NvcompReader(StorageReader):
             if flat is not None:
                 targets[index] = (target, flat)
 
-        gpu_slots = threading.BoundedSemaphore(self.gpu_threads)
-        with ThreadPoolExecutor(self.thread_count, thread_name_prefix="nvdcp-delta") as pool:
-            futures = [pool.submit(self._load_delta_group_cpu, group, report, targets)
-                       for group in self._delta_groups([ix for ix in indexes if devices.get(ix) is None])]
-            for device, batch in self._delta_batches([ix for ix in indexes if devices.get(ix) is not None], devices):
-                futures.append(pool.submit(_holding, gpu_slots, self._load_delta_batch_gpu, batch, device, report))
-            for fut in futures:
-                yield from fut.result()
+        units: list[Callable[[], _Pending]] = [
+            functools.partial(pool.submit, self._load_delta_group_cpu, group, report, targets)
+            for group in self._delta_groups([ix for ix in indexes if devices.get(ix) is None])
+        ]
+        for device, levels in self._delta_batches([ix for ix in indexes if devices.get(ix) is not None], devices):
+            units.append(functools.partial(self._start_delta_batch_gpu, levels, device, report, pool, gpu_slots))
+        return _Window(units, READ_WINDOW_PER_THREAD * self.gpu_threads)
 
     def _delta_groups(self, indexes: list[MetadataIndex]) -> list[list[MetadataIndex]]:
         """Host-decoded delta items in groups of about ``DELTA_GROUP_BYTES`` of stored records
@@ -496,63 +496,112 @@ class NvcompReader(StorageReader):
             size += length
         return [g for g in groups if g]
 
+    def _chain_depths(self, indexes: list[MetadataIndex]) -> dict[MetadataIndex, int]:
+        """How many bases each item's chain reads (0: stored whole here), from the ``.metadata``
+        of each level; each base is checked to hold the items it must.
+
+        Raises:
+            BaseMismatchError: a base holds no such item.
+        """
+        depths = dict.fromkeys(indexes, 0)
+        reader, pending = self, list(indexes)
+        while pending:
+            pending = [ix for ix in pending if descriptor.is_delta(reader._record(ix))]
+            if not pending:
+                break
+            base = reader._checked_base(pending[0], reader.where(pending[0]))
+            for index in pending:
+                base._require_item(index, cast(str, _LazyWhere(reader, index)))  # formatted only into an error
+                depths[index] += 1
+            reader = base
+        return depths
+
     def _delta_batches(self, indexes: list[MetadataIndex], devices: dict[MetadataIndex, torch.device | None],
-                       ) -> list[tuple[torch.device, list[MetadataIndex]]]:
-        """GPU-decoded delta items in batches of at most a quarter of a thread's GPU budget of
-        stored bytes (a batch holds each item twice on the device: its rebuilt bytes and one
-        level's), and at most ``MAX_GPU_BATCH_ITEMS`` items."""
+                       ) -> list[tuple[torch.device, list[tuple[NvcompReader, list[MetadataIndex]]]]]:
+        """GPU-decoded delta items in batches, each as its chain levels: ``(reader, items whose
+        record that level holds)``, this checkpoint first. A batch holds every level of its items
+        on the device at once until they are combined, so its raw bytes times its levels stay
+        within a quarter of a thread's GPU budget (and at most ``MAX_GPU_BATCH_ITEMS`` items)."""
+        depths = self._chain_depths(indexes)
         batches: list[tuple[torch.device, list[MetadataIndex]]] = []
         open_: dict[torch.device, tuple[list[MetadataIndex], int]] = {}
         for index in indexes:
             device = devices[index]
             assert device is not None
             limit = self.gpu.gpu_budget(device, load=True) // (4 * self.gpu_threads)
-            size = self._expected_nbytes(index)
+            size = self._expected_nbytes(index) * (depths[index] + 1)
             items, total = open_.get(device, ([], 0))
             if items and (total + size > limit or len(items) >= MAX_GPU_BATCH_ITEMS):
                 batches.append((device, items))
                 items, total = [], 0
             open_[device] = ([*items, index], total + size)
-        return batches + [(device, items) for device, (items, _) in open_.items() if items]
+        batches += [(device, items) for device, (items, _) in open_.items() if items]
+        return [(device, self._levels(items, depths)) for device, items in batches]
+
+    def _levels(self, items: list[MetadataIndex], depths: dict[MetadataIndex, int],
+                ) -> list[tuple[NvcompReader, list[MetadataIndex]]]:
+        levels: list[tuple[NvcompReader, list[MetadataIndex]]] = []
+        reader: NvcompReader | None = self
+        level = 0
+        while items:
+            assert reader is not None  # _chain_depths found a base for every level it counted
+            levels.append((reader, items))
+            level += 1
+            items = [ix for ix in items if depths[ix] >= level]
+            reader = reader.base
+        return levels
 
     def _expected_nbytes(self, index: MetadataIndex) -> int:
         dtype, shape = self.expected(index)
         return tensor_nbytes(shape, dtype) if dtype is not None and shape is not None else self._record(index).length
 
-    def _load_delta_batch_gpu(self, indexes: list[MetadataIndex], device: torch.device, report: Report,
-                              ) -> list[tuple[MetadataIndex, ItemHeader, Any]]:
-        """Rebuild a batch of delta items on ``device``: each level of the chain is decoded by the
-        GPU batch path (one batch per level, into fresh device memory, never the destinations),
-        its items' digests checked against what the level above records, and XORed into the
-        top level's bytes; the destinations are written only by the commit after all of it."""
-        rebuilt: dict[MetadataIndex, tuple[ItemHeader, torch.Tensor]] = {}
-        expected: dict[MetadataIndex, tuple[ItemHeader, str]] = {}  # a delta's header: its base is next
-        reader, pending = self, list(indexes)
-        while pending:
-            for index, header, raw in reader._load_gpu_batch(pending, device, report):
-                element_size = _element_size(reader.expected(index)[0])
-                if index in expected:
-                    above, where = expected.pop(index)
-                    self._check_base_digest(reader, index, above, header, where)
-                    top, acc = rebuilt[index]
-                    if header.is_delta and header.delta_kind != top.delta_kind:
-                        raise CorruptCheckpointError(
-                            f"{reader.where(index)}: delta kind {header.delta_kind} under a delta of kind "
-                            f"{top.delta_kind} (nvdcp never mixes them in one item's chain)"
-                        )
-                    delta_transform.accumulate_torch(acc, raw, top.delta_kind, element_size, header.is_delta)
-                else:
+    def _start_delta_batch_gpu(self, levels: list[tuple[NvcompReader, list[MetadataIndex]]], device: torch.device,
+                               report: Report, pool: ThreadPoolExecutor, gpu_slots: threading.BoundedSemaphore,
+                               ) -> _Combined:
+        """Queue every level of a batch's chains for decoding on ``device`` (each level one GPU
+        batch of its reader, decoded into fresh device memory, never the destinations); the
+        levels are combined by :meth:`_combine_levels` once all are decoded."""
+        futures = [pool.submit(_holding, gpu_slots, reader._load_gpu_batch, items, device, report)
+                   for reader, items in levels]
+        return _Combined(futures, functools.partial(self._combine_levels, levels))
+
+    def _combine_levels(self, levels: list[tuple[NvcompReader, list[MetadataIndex]]],
+                        decoded: list[list[tuple[MetadataIndex, ItemHeader, Any]]],
+                        ) -> list[tuple[MetadataIndex, ItemHeader, Any]]:
+        """Rebuild a batch's items from their decoded levels: each base item's digest checked
+        against what the level above records, then its bytes folded into the top level's
+        (differences add up, XORs XOR up: the order does not matter). Runs on the calling thread:
+        a few elementwise kernels per item."""
+        rebuilt: dict[MetadataIndex, tuple[ItemHeader, torch.Tensor, ItemHeader]] = {}  # top, bytes, last level
+        above_reader = self
+        for depth, ((reader, _), results) in enumerate(zip(levels, decoded)):
+            for index, header, raw in results:
+                if depth == 0:
                     if header.is_delta:
-                        delta_transform.to_difference_torch(raw, header.delta_kind, element_size)
-                    rebuilt[index] = (header, raw)
-                if header.is_delta:
-                    expected[index] = (header, reader.where(index))
-            pending = [ix for ix in pending if ix in expected]
-            if pending:
-                reader = reader._checked_base(pending[0], expected[pending[0]][1])
-                for index in pending[1:]:
-                    reader._require_item(index, expected[index][1])
-        return [(index, *rebuilt[index]) for index in indexes]
+                        delta_transform.to_difference_torch(raw, header.delta_kind, _element_size(self.expected(index)[0]))
+                    rebuilt[index] = (header, raw, header)
+                    continue
+                top, acc, above = rebuilt[index]
+                self._check_base_digest(reader, index, above, header, above_reader.where(index))
+                if header.is_delta and header.delta_kind != top.delta_kind:
+                    raise CorruptCheckpointError(
+                        f"{reader.where(index)}: delta kind {header.delta_kind} under a delta of kind "
+                        f"{top.delta_kind} (nvdcp never mixes them in one item's chain)"
+                    )
+                element_size = _element_size(self.expected(index)[0])
+                delta_transform.accumulate_torch(acc, raw, top.delta_kind, element_size, header.is_delta)
+                rebuilt[index] = (top, acc, header)
+            above_reader = reader
+        return [(index, top, acc) for index, (top, acc, _) in rebuilt.items()]
+
+    def _commit_loaded(self, reqs: list[ReadItem], header: ItemHeader | None, data: Any, planner: LoadPlanner) -> None:
+        for req in reqs:
+            if header is None:
+                self._commit_stock(req, data, planner)
+            elif isinstance(data, _InPlace):  # decoded straight into the planner's tensor
+                planner.commit_tensor(req, data.target)
+            else:
+                self._commit(req, header, data, planner)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -569,7 +618,7 @@ class NvcompReader(StorageReader):
             by_item.setdefault(req.storage_index, []).append(req)
         records = {index: self._record(index) for index in by_item}
         stock = {ix for ix, info in records.items() if not is_nvdcp_record(info)}
-        # Delta items are rebuilt from their base chain, one item at a time (item_raw)
+        # Delta items are rebuilt from their base chains (_delta_loads) while the others load
         deltas = [ix for ix, info in records.items() if descriptor.is_delta(info)]
         delta_set = set(deltas)
         if gpu_available():
@@ -596,21 +645,22 @@ class NvcompReader(StorageReader):
                 return None
             return planner.resolve_tensor(reqs[0]).detach()
 
-        loads = itertools.chain(
-            self._load_deltas(
+        # One budget of GPU decode batches in flight for the delta items and the others, which
+        # load at the same time (a delta checkpoint often stores some items whole).
+        gpu_slots = threading.BoundedSemaphore(self.gpu_threads)
+        with ThreadPoolExecutor(self.thread_count, thread_name_prefix="nvdcp-delta") as delta_pool:
+            rebuilt = self._delta_loads(
                 sorted(deltas, key=lambda ix: (records[ix].relative_path, records[ix].offset)), devices, report,
-                by_item, planner,
-            ),
-            self._fetch_and_decode(order, devices, stock, report, destination, cpu=_CpuPlan(by_item, records, planner)),
-        )
-        for index, header, data in loads:
-            for req in by_item[index]:
-                if header is None:
-                    self._commit_stock(req, data, planner)
-                elif isinstance(data, _InPlace):  # decoded straight into the planner's tensor
-                    planner.commit_tensor(req, data.target)
-                else:
-                    self._commit(req, header, data, planner)
+                by_item, planner, delta_pool, gpu_slots,
+            )
+            try:
+                loads = self._fetch_and_decode(
+                    order, devices, stock, report, destination, cpu=_CpuPlan(by_item, records, planner), gpu_slots=gpu_slots
+                )
+                for index, header, data in itertools.chain(rebuilt.interleave(loads), rebuilt.rest()):
+                    self._commit_loaded(by_item[index], header, data, planner)
+            finally:
+                rebuilt.cancel()
         report.seconds = time.perf_counter() - started
         self.last_report = report
         logger.info("nvdcp load %s", report.summary())
@@ -941,7 +991,7 @@ class NvcompReader(StorageReader):
         self, order: list[MetadataIndex], devices: dict[MetadataIndex, torch.device | None],
         stock: set[MetadataIndex], report: Report,
         destination: Callable[[MetadataIndex], torch.Tensor | None] = lambda index: None,
-        cpu: _CpuPlan | None = None,
+        cpu: _CpuPlan | None = None, gpu_slots: threading.BoundedSemaphore | None = None,
     ) -> Iterator[tuple[MetadataIndex, ItemHeader | None, Any]]:
         """Run batch loads (CPU nvdcp items, stock items, GPU batches) on the I/O pool, a bounded
         window ahead. A stock item comes with header None and a :class:`_StockLoaded`; its
@@ -976,7 +1026,7 @@ class NvcompReader(StorageReader):
             if isinstance(task, _CpuBatch):
                 for item in task.items:
                     cpu.resolve(item)
-        gpu_slots = threading.BoundedSemaphore(self.gpu_threads)
+        gpu_slots = gpu_slots or threading.BoundedSemaphore(self.gpu_threads)
         for device, batch in self._gpu_batches([ix for ix in order if devices[ix] is not None], devices):
             tasks.append(functools.partial(_holding, gpu_slots, self._load_gpu_batch, batch, device, report))
         window = READ_WINDOW_PER_THREAD * self.thread_count
@@ -1272,6 +1322,74 @@ class _Deferred:
 
     def cancel(self) -> bool:
         return True
+
+
+class _Pending(Protocol):
+    """A queued load: a future, or the levels of a delta batch (:class:`_Combined`)."""
+
+    def done(self) -> bool: ...
+    def result(self) -> Sequence[tuple[MetadataIndex, ItemHeader | None, Any]]: ...
+    def cancel(self) -> bool: ...
+
+
+class _Combined:
+    """Futures whose results ``combine`` turns into one result, on the thread that asks for it."""
+
+    def __init__(self, futures: list[PyFuture[Any]], combine: Callable[[list[Any]], Any]) -> None:
+        self._futures = futures
+        self._combine = combine
+
+    def done(self) -> bool:
+        return all(f.done() for f in self._futures)
+
+    def result(self) -> Any:
+        return self._combine([f.result() for f in self._futures])
+
+    def cancel(self) -> bool:
+        return all([f.cancel() for f in self._futures])
+
+
+class _Window:
+    """Loads started a bounded number at a time (``units``: each starts one and returns it),
+    whose results are handed out in order: the ones already finished between the items of
+    another stream of results (:meth:`interleave`), then the rest (:meth:`rest`). The window
+    bounds the decoded bytes waiting to be committed."""
+
+    def __init__(self, units: list[Callable[[], _Pending]], window: int) -> None:
+        self._units = collections.deque(units)
+        self._pending: collections.deque[_Pending] = collections.deque()
+        self._window = max(1, window)
+        self._fill()
+
+    def _fill(self) -> None:
+        while self._units and len(self._pending) < self._window:
+            self._pending.append(self._units.popleft()())
+
+    def _next(self) -> Sequence[tuple[MetadataIndex, ItemHeader | None, Any]]:
+        """The first load's results (waiting for them), the next load started before they are
+        handed out."""
+        results = self._pending.popleft().result()
+        self._fill()
+        return results
+
+    def _ready(self) -> Iterator[tuple[MetadataIndex, ItemHeader | None, Any]]:
+        while self._pending and self._pending[0].done():
+            yield from self._next()
+
+    def interleave(self, other: Iterator[_T]) -> Iterator[_T | tuple[MetadataIndex, ItemHeader | None, Any]]:
+        for item in other:
+            yield item
+            yield from self._ready()
+
+    def rest(self) -> Iterator[tuple[MetadataIndex, ItemHeader | None, Any]]:
+        while self._pending:
+            yield from self._next()
+
+    def cancel(self) -> None:
+        """Start nothing more and cancel what has not begun (a load that failed)."""
+        self._units.clear()
+        while self._pending:
+            self._pending.popleft().cancel()
 
 
 @dataclasses.dataclass

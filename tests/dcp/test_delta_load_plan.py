@@ -1,0 +1,193 @@
+"""How a delta load is planned and put together (nvdcp/dcp/reader.py): each item's chain is
+planned from the ``.metadata`` of every level before any record is read; on the GPU path every
+level of a batch is decoded at once and the levels are folded afterwards (``_combine_levels``,
+run here on host tensors: the same torch calls); the window that loads delta items alongside the
+items stored whole hands results out in order and starts a bounded number at a time."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+
+import nvdcp
+from nvdcp.dcp import descriptor
+from nvdcp.dcp.reader import NvcompReader, _element_size, _Window
+from nvdcp.pipeline.cpu import decode_item
+from tests.conftest import bit_equal, weights_like
+from tests.dcp.helpers import save
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _state() -> dict[str, torch.Tensor]:
+    return {
+        "w": weights_like((256, 300), seed=1),
+        "b16": weights_like((64, 100), torch.bfloat16, seed=2),
+        "ids": torch.arange(5000, dtype=torch.int64),
+        "fixed": weights_like((40, 40), seed=3),  # changes only in the second step
+    }
+
+
+def _train(sd: dict[str, torch.Tensor], step: int) -> None:
+    g = torch.Generator().manual_seed(100 + step)
+    sd["w"].add_(torch.randn(sd["w"].shape, generator=g) * 1e-4)
+    sd["b16"].add_((torch.randn(sd["b16"].shape, generator=g) * 1e-3).bfloat16())
+    sd["ids"][step * 7 : step * 7 + 5] += 1
+    if step == 2:
+        sd["fixed"].add_(1e-3)
+
+
+def _chain(root: Path, n: int = 3) -> tuple[list[Path], list[dict[str, torch.Tensor]]]:
+    """``n`` saves, each a delta against the one before (bases of a 3-deep chain)."""
+    policy = nvdcp.DeltaPolicy(full_every=8)
+    sd = _state()
+    paths, wants = [], []
+    for step in range(n):
+        if step:
+            _train(sd, step)
+        paths.append(root / f"s{step}")
+        save(sd, paths[-1], delta=policy)
+        wants.append({k: v.clone() for k, v in sd.items()})
+    return paths, wants
+
+
+def _reader(path: Path) -> NvcompReader:
+    reader = NvcompReader(path)
+    reader.set_up_storage_reader(reader.read_metadata(), True)
+    return reader
+
+
+def _deltas(reader: NvcompReader) -> list[MetadataIndex]:
+    assert reader.metadata is not None
+    return [ix for ix, info in reader.metadata.storage_data.items() if descriptor.is_delta(info)]
+
+
+def _decoded_as_stored(levels: list[tuple[NvcompReader, list[MetadataIndex]]]) -> list[list[tuple[Any, ...]]]:
+    """Each level's records decoded as stored (a delta's bytes not combined), as host tensors."""
+    out = []
+    for reader, items in levels:
+        rows = []
+        for index in items:
+            name, offset, length = reader.record_of(index)
+            record = memoryview(reader.storage.read_range(name, offset, length))
+            size = _element_size(reader.expected(index)[0])
+            header, raw = decode_item(record, reader.where(index), reader._codec_pool(), size)
+            rows.append((index, header, torch.from_numpy(np.array(raw, dtype=np.uint8))))
+        out.append(rows)
+    return out
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def test_levels_follow_each_items_chain_from_the_metadata(tmp_path: Path) -> None:
+    paths, _ = _chain(tmp_path)
+    reader = _reader(paths[2])
+    deltas = _deltas(reader)
+    assert {ix.fqn for ix in deltas} >= {"w", "b16", "fixed"}
+    depths = reader._chain_depths(deltas)
+    # walk the chain by hand: an item's depth is how many levels in a row store it as a delta
+    for index in deltas:
+        depth, level = 0, reader
+        while level is not None and descriptor.is_delta(level._record(index)):
+            depth, level = depth + 1, level.base
+        assert depths[index] == depth, index.fqn
+    fixed = next(ix for ix in deltas if ix.fqn == "fixed")
+    assert depths[fixed] == 2  # unchanged from s0 to s1 is still a delta (of zeros) there
+    levels = reader._levels(deltas, depths)
+    assert [Path(r.path) for r, _ in levels] == paths[::-1][: len(levels)]
+    assert len(levels) == 1 + max(depths.values())
+    for k, (_, items) in enumerate(levels):
+        assert items == [ix for ix in deltas if depths[ix] >= k]
+
+
+def test_levels_decoded_apart_and_combined_rebuild_the_saved_tensors(tmp_path: Path) -> None:
+    paths, wants = _chain(tmp_path)
+    reader = _reader(paths[2])
+    deltas = _deltas(reader)
+    levels = reader._levels(deltas, reader._chain_depths(deltas))
+    combined = reader._combine_levels(levels, _decoded_as_stored(levels))
+    assert [ix for ix, _, _ in combined] == deltas
+    for index, header, raw in combined:
+        assert header.is_delta
+        assert bit_equal(raw, _raw(wants[2][index.fqn])), index.fqn
+
+
+def test_combine_refuses_a_base_level_that_is_another_items(tmp_path: Path) -> None:
+    paths, _ = _chain(tmp_path, n=2)
+    reader = _reader(paths[1])
+    deltas = _deltas(reader)
+    levels = reader._levels(deltas, reader._chain_depths(deltas))
+    decoded = _decoded_as_stored(levels)
+    base = decoded[1]
+    w = next(i for i, row in enumerate(base) if row[0].fqn == "w")
+    b16 = next(i for i, row in enumerate(base) if row[0].fqn == "b16")
+    # "w"'s base level now carries "b16"'s header and bytes
+    base[w] = (base[w][0], base[b16][1], base[b16][2])
+    with pytest.raises(nvdcp.BaseMismatchError, match="not the base of this delta") as info:
+        reader._combine_levels(levels, decoded)
+    assert "'w'" in str(info.value)
+
+
+def test_chain_planning_names_a_base_missing_an_item(tmp_path: Path) -> None:
+    paths, _ = _chain(tmp_path, n=2)
+    reader = _reader(paths[1])
+    deltas = _deltas(reader)
+    assert reader.base is not None and reader.base.metadata is not None
+    w = next(ix for ix in deltas if ix.fqn == "w")
+    del reader.base.metadata.storage_data[w]
+    with pytest.raises(nvdcp.BaseMismatchError, match="holds no item") as info:
+        reader._chain_depths(deltas)
+    assert "w" in str(info.value)
+
+
+def test_window_starts_a_bounded_number_and_hands_results_out_in_order() -> None:
+    futures: list[Future[list[tuple[int, None, None]]]] = [Future() for _ in range(5)]
+    started: list[int] = []
+
+    def unit(k: int) -> Any:
+        def start() -> Future[list[tuple[int, None, None]]]:
+            started.append(k)
+            return futures[k]
+        return start
+
+    window = _Window([unit(k) for k in range(5)], 2)
+    assert started == [0, 1]
+    futures[1].set_result([(1, None, None)])
+    # the first unit is not done: only the other stream's items come out
+    assert list(window.interleave(iter(["a", "b"]))) == ["a", "b"]
+    assert started == [0, 1]
+    futures[0].set_result([(0, None, None)])
+    out = window.interleave(iter(["c", "d"]))
+    assert next(out) == "c"
+    assert next(out) == (0, None, None)  # finished units come out between the other items
+    assert started == [0, 1, 2]  # one handed out, one more started
+    assert next(out) == (1, None, None)
+    assert started == [0, 1, 2, 3]
+    assert list(out) == ["d"]
+    for k in (2, 3, 4):
+        futures[k].set_result([(k, None, None)])
+    assert [r[0] for r in window.rest()] == [2, 3, 4]
+    assert started == [0, 1, 2, 3, 4]
+
+
+def test_window_cancel_drops_what_has_not_started() -> None:
+    futures: list[Future[list[Any]]] = [Future() for _ in range(4)]
+    started: list[int] = []
+
+    def unit(k: int) -> Any:
+        return lambda: started.append(k) or futures[k]
+
+    window = _Window([unit(k) for k in range(4)], 2)
+    window.cancel()
+    assert started == [0, 1]
+    assert futures[0].cancelled() and futures[1].cancelled()
+    assert list(window.rest()) == []  # nothing left to start or hand out
+    assert started == [0, 1]
