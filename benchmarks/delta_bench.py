@@ -105,6 +105,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr-total", type=int, default=10_000, help="length of the LR schedule (lr_at's total)")
     p.add_argument("--lr-peak", type=float, default=6e-4, help="peak learning rate (lr_at's base; the demo's 6e-4)")
     p.add_argument("--min-gain", type=float, default=0.02, help="DeltaPolicy min_gain")
+    p.add_argument("--min-item-bytes", type=int, default=None,
+                   help="DeltaPolicy min_item_bytes (default: the policy's, 64 KiB unless $NVDCP_DELTA_MIN_ITEM_BYTES)")
     p.add_argument("--stock-saves", type=int, default=3, help="stock saves per chain (its bytes are constant)")
     p.add_argument("--load-repeats", type=int, default=None,
                    help="timed loads per checkpoint, the fastest kept (default 2 on the CPU, 1 on CUDA)")
@@ -297,7 +299,8 @@ def run_chain(name: str, k: int | None, states: list[tuple[int, dict[str, Any]]]
               args: argparse.Namespace) -> Chain:
     chain = Chain(name, k)
     against = "full" if name.startswith("delta-full") else "previous"
-    policy = nvdcp.DeltaPolicy(full_every=k, min_gain=args.min_gain, against=against) if k is not None else None
+    policy = nvdcp.DeltaPolicy(full_every=k, min_gain=args.min_gain, against=against,
+                                                 min_item_bytes=args.min_item_bytes) if k is not None else None
     for i, (step, state) in enumerate(states):
         path = os.path.join(folder, f"ckpt_{i:02d}_step{step}")
         if name == "stock":
@@ -380,7 +383,7 @@ def profile_delta(variant: str, base_state: dict[str, Any], state: dict[str, Any
         print(f"  [profile {variant}] {label}: {seconds:.3f} s", flush=True)
 
     for attempt in ("warm", "timed"):
-        policy = nvdcp.DeltaPolicy(full_every=8, min_gain=args.min_gain)
+        policy = nvdcp.DeltaPolicy(full_every=8, min_gain=args.min_gain, min_item_bytes=args.min_item_bytes)
         base = os.path.join(folder, f"{attempt}_base")
         dcp.save(base_state, storage_writer=nvdcp.NvcompWriter(base, delta=policy), no_dist=True)
         delta, full = os.path.join(folder, f"{attempt}_delta"), os.path.join(folder, f"{attempt}_full")
@@ -521,7 +524,7 @@ def warm_up(variant: str, state: dict[str, Any], root: str, args: argparse.Names
     t0 = time.perf_counter()
     dcp.save(state, storage_writer=dcp.FileSystemWriter(os.path.join(folder, "stock")), no_dist=True)
     dcp.save(state, storage_writer=nvdcp.NvcompWriter(os.path.join(folder, "full")), no_dist=True)
-    policy = nvdcp.DeltaPolicy(full_every=2, min_gain=args.min_gain)
+    policy = nvdcp.DeltaPolicy(full_every=2, min_gain=args.min_gain, min_item_bytes=args.min_item_bytes)
     nudged = clone_state(state)
     for t in tensors(nudged):
         if t.is_floating_point() and t.numel():

@@ -1,9 +1,12 @@
 """Delta loads of many small items against full loads (issue 15: delta load <= 1.5x a full one).
 
     python -m benchmarks.delta_small_items [--items 5000] [--repeats 2] [--out DIR] [--dir DIR]
+                                           [--min-item-bytes N]
 
 A state of ``--items`` fp32 tensors of 4-32 KiB is saved three times with
-``NvcompWriter(delta=DeltaPolicy(full_every=8))`` (a full save, then deltas of depth 1 and 2),
+``NvcompWriter(delta=DeltaPolicy(full_every=8, min_item_bytes=0))`` (a full save, then deltas of
+depth 1 and 2; ``min_item_bytes=0`` makes these small items deltas, which the policy's default,
+64 KiB, would store whole: pass ``--min-item-bytes 65536`` to measure that),
 the values nudged between saves as a training step would; each checkpoint is then loaded into
 CPU tensors ``--repeats`` times. Reports the median load time of each depth and its ratio to
 the full load, and checks every load bit for bit. Per-record host work is what this measures:
@@ -34,12 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", default=None)
     p.add_argument("--dir", default=None, help="checkpoint root (default: a new temporary folder)")
+    p.add_argument("--min-item-bytes", type=int, default=0, help="DeltaPolicy min_item_bytes (default 0: all deltas)")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     g = torch.Generator().manual_seed(0)
     state = {f"t{i}": torch.randn(1024 * (1 + i % 8), generator=g) for i in range(args.items)}
     root = fresh_dir(args.dir or tempfile.mkdtemp(prefix="nvdcp-delta-small-"))
-    policy = nvdcp.DeltaPolicy(full_every=8)
+    policy = nvdcp.DeltaPolicy(full_every=8, min_item_bytes=args.min_item_bytes)
     paths, wants = [], []
     for k in range(3):
         path = f"{root}/c{k}"

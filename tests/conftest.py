@@ -9,6 +9,9 @@ import pytest
 import torch
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The suite's states are small: its delta tests store every item as a delta whatever its size
+# (workers it starts inherit this). tests/dcp/test_delta_min_item_bytes.py covers the default.
+os.environ["NVDCP_DELTA_MIN_ITEM_BYTES"] = "0"
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 # Re-exported: many tests import these from here; the one copy is in nvdcp.testing.

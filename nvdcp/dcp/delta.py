@@ -35,7 +35,13 @@ from nvdcp.dcp.stock_items import is_nvdcp_record
 from nvdcp.errors import IncompleteCheckpointError, MissingBaseError, NvdcpError
 from nvdcp.format.delta import BaseRef, base_candidates, read_delta, relative_location, same_location
 from nvdcp.format.digest import DIGEST_ATTR, digest_of_header
-from nvdcp.pipeline.delta import DEFAULT_MIN_GAIN, DeltaInput, DeltaTensor
+from nvdcp.pipeline.delta import (
+    DEFAULT_MIN_GAIN,
+    DEFAULT_MIN_ITEM_BYTES,
+    DeltaInput,
+    DeltaTensor,
+    default_min_item_bytes,
+)
 from nvdcp.storage import open_storage
 
 logger = logging.getLogger(__name__)
@@ -90,6 +96,10 @@ class DeltaPolicy:
             them (slower, never wrong). 0 keeps nothing.
         min_gain: keep a delta only when it is at least this fraction smaller than the item
             stored whole (as the writer last measured that item); otherwise store it whole.
+        min_item_bytes: items smaller than this (raw bytes) are always stored whole, and their
+            bytes are not kept: a delta's fixed host cost per item on each save and load
+            outweighs the few bytes it saves on norms and biases (default 64 KiB, or
+            ``$NVDCP_DELTA_MIN_ITEM_BYTES``; 0: any size).
         against: ``"previous"`` (default): each delta is against the save before it, a chain of
             up to ``full_every - 1`` deltas (smallest deltas; a load reads the chain back to the
             full save). ``"full"``: each delta is against the last full save (a load reads two
@@ -103,7 +113,8 @@ class DeltaPolicy:
     """
 
     def __init__(self, full_every: int = DEFAULT_FULL_EVERY, max_chain: int | None = None,
-                 cache_bytes: int | None = None, min_gain: float = DEFAULT_MIN_GAIN, against: str = "previous") -> None:
+                 cache_bytes: int | None = None, min_gain: float = DEFAULT_MIN_GAIN, against: str = "previous",
+                 min_item_bytes: int | None = None) -> None:
         if against not in AGAINST:
             raise ValueError(f"against must be one of {AGAINST}, got {against!r}")
         if full_every < 1:
@@ -114,6 +125,9 @@ class DeltaPolicy:
             raise ValueError(f"cache_bytes must be >= 0, got {cache_bytes}")
         if not 0 <= min_gain < 1:
             raise ValueError(f"min_gain must be within [0, 1), got {min_gain}")
+        if min_item_bytes is not None and min_item_bytes < 0:
+            raise ValueError(f"min_item_bytes must be >= 0, got {min_item_bytes}")
+        self.min_item_bytes = default_min_item_bytes() if min_item_bytes is None else min_item_bytes
         self.full_every = full_every
         self.max_chain = full_every - 1 if max_chain is None else max_chain
         self.min_gain = min_gain
@@ -338,6 +352,8 @@ class DeltaSave:
     storage_options: dict[str, Any]
     min_gain: float = DEFAULT_MIN_GAIN
     pin: bool = False
+    #: smaller items are stored whole and not kept (``DeltaPolicy.min_item_bytes``)
+    min_item_bytes: int = DEFAULT_MIN_ITEM_BYTES
     #: this save's bytes go into the cache (False: a delta against the full save, whose bytes stay)
     keep_bytes: bool = True
     _base_reader: Any = None
@@ -354,7 +370,8 @@ class DeltaSave:
         if self.ref is None or self.cache is None or self.cache.budget == 0:
             return
         ref, cache = self.ref, self.cache
-        todo = [(ix, t) for ix, t in items if t.numel() and cache.lookup(ix, ref.save_id, t.dtype, tuple(t.shape)) is None]
+        todo = [(ix, t) for ix, t in items if t.numel() * t.element_size() >= max(1, self.min_item_bytes)
+                and cache.lookup(ix, ref.save_id, t.dtype, tuple(t.shape)) is None]
         if not todo:
             return
         self._reader()  # opened once, before the threads
@@ -379,7 +396,7 @@ class DeltaSave:
         """``tensor`` wrapped with its base and keep slot, or as it is (nothing to do)."""
         dtype, shape = tensor.dtype, tuple(tensor.shape)
         nbytes = tensor.numel() * tensor.element_size()
-        if nbytes == 0:
+        if nbytes == 0 or nbytes < self.min_item_bytes:
             return tensor
         hit = self.cache.lookup(index, self.ref.save_id, dtype, shape) if self.cache and self.ref else None
         slot = self.cache is not None and self.keep_bytes

@@ -58,7 +58,7 @@ from nvdcp.gpu import gpu_available
 from nvdcp.gpu.config import GpuConfig
 from nvdcp.pipeline.config import EncodeConfig
 from nvdcp.pipeline.cpu import EncodedItem
-from nvdcp.pipeline.delta import DEFAULT_MIN_GAIN, DeltaTensor
+from nvdcp.pipeline.delta import DEFAULT_MIN_GAIN, DeltaTensor, default_min_item_bytes
 from nvdcp.pipeline.encoder import ItemEncoder, shared_encoder
 from nvdcp.pipeline.tensors import tensor_nbytes
 from nvdcp.report import Report
@@ -392,6 +392,7 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
             prefix.base, prefix.save_id or self.save_id, cache if keep_bytes or prefix.base else None,
             self.storage_options, self.delta.min_gain if self.delta is not None else DEFAULT_MIN_GAIN,
             pin=torch.cuda.is_available() and gpu_available(), keep_bytes=keep_bytes,
+            min_item_bytes=self.delta.min_item_bytes if self.delta is not None else default_min_item_bytes(),
         )
 
     _delta_save: DeltaSave | None = None
