@@ -53,9 +53,13 @@ logger = logging.getLogger(__name__)
 DEFAULT_FULL_EVERY = 8
 #: Default chain bound for a writer given ``base=`` without a policy.
 DEFAULT_MAX_CHAIN = 16
-#: An item whose delta did not pay is stored whole, without trying, for this many saves: AdamW's
-#: exp_avg never pays (1.17x either way), and trying it cost a second encode every save.
+#: An item whose delta did not pay is stored whole, without trying, for this many saves, doubled
+#: after each further try that did not pay (at most ``RETRY_AFTER_MAX``): AdamW's exp_avg never
+#: pays (1.17x either way), and a try costs its item a second encode, on the GPU a second pass
+#: after the first (the H200 reference GPT's fp32 state: a save with the try took about twice
+#: as long as one without, benchmarks/results/delta_bench_2026-12-01_h200_*_profile.json).
 RETRY_AFTER = 3
+RETRY_AFTER_MAX = 48
 #: Base items read back from storage at once (:meth:`DeltaSave.prefetch`).
 PREFETCH_THREADS = 8
 #: Pinned arenas of the cache are carved from blocks of at least this size.
@@ -275,6 +279,7 @@ class CacheEntry:
     digest: int = 0  # that save's record digest of the item
     whole_nbytes: int | None = None  # the item's record size when last stored whole
     skip: int = 0  # saves left that store the item whole without trying a delta (it did not pay)
+    failed_tries: int = 0  # tries in a row whose delta did not pay (the next skip doubles)
 
 
 class BaseCache:
@@ -476,8 +481,12 @@ class DeltaSave:
         entry = self.cache.entries.get(index)
         if entry is None:
             return
-        if whole_nbytes is not None and index in self._attempted:
-            entry.skip = RETRY_AFTER  # the delta was tried and did not pay
+        if index in self._attempted:
+            if whole_nbytes is not None:  # the delta was tried and did not pay
+                entry.skip = min(RETRY_AFTER << entry.failed_tries, RETRY_AFTER_MAX)
+                entry.failed_tries += 1
+            else:
+                entry.failed_tries = 0
         if entry.save_id is None:  # its bytes are this save's
             entry.digest = digest
             if whole_nbytes is not None:

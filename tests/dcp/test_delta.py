@@ -634,7 +634,8 @@ def test_identical_delta_save_is_refused_as_stale(tmp_path: Path) -> None:
 
 def test_item_whose_delta_did_not_pay_is_stored_whole_without_trying_for_a_while(tmp_path: Path) -> None:
     """An item whose delta lost (fresh values each save) is stored whole at the next saves
-    without a delta attempt (no second encode), then tried again; everything loads bit-exact."""
+    without a delta attempt (no second encode), then tried again, after twice as many saves
+    each time it loses again; everything loads bit-exact."""
     policy = nvdcp.DeltaPolicy(full_every=16)
     sd = {"w": weights_like((256, 300), seed=1), "r": random_tensor(torch.float32, (20_000,), seed=2)}
     attempted: list[set[str]] = []
@@ -647,7 +648,7 @@ def test_item_whose_delta_did_not_pay_is_stored_whole_without_trying_for_a_while
     DeltaSave.finish = spy  # type: ignore[method-assign]
     try:
         saved = []
-        for i in range(6):
+        for i in range(13):
             save(sd, tmp_path / f"s{i}", delta=policy)
             saved.append(_snapshot(sd))
             sd["w"] = sd["w"] + 1e-4 * weights_like((256, 300), seed=10 + i)
@@ -657,8 +658,10 @@ def test_item_whose_delta_did_not_pay_is_stored_whole_without_trying_for_a_while
     assert attempted[0] == set()  # a full save tries nothing
     assert attempted[1] == {"w", "r"}  # both tried; r lost
     assert attempted[2] == attempted[3] == attempted[4] == {"w"}  # r skipped for RETRY_AFTER saves
-    assert attempted[5] == {"w", "r"}  # then tried again
-    for i in range(1, 6):
+    assert attempted[5] == {"w", "r"}  # then tried again, and lost again
+    assert all(attempted[i] == {"w"} for i in range(6, 12))  # skipped twice as long
+    assert attempted[12] == {"w", "r"}
+    for i in range(1, 13):
         assert _delta_fqns(tmp_path / f"s{i}") == {"w"}
     for i, want in enumerate(saved):
         _load_check(tmp_path / f"s{i}", want)
