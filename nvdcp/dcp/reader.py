@@ -521,21 +521,11 @@ class NvcompReader(StorageReader):
         """GPU-decoded delta items in batches, each as its chain levels: ``(reader, items whose
         record that level holds)``, this checkpoint first. A batch holds every level of its items
         on the device at once until they are combined, so its raw bytes times its levels stay
-        within a quarter of a thread's GPU budget (and at most ``MAX_GPU_BATCH_ITEMS`` items)."""
+        within a quarter of a thread's GPU budget (cut as :func:`_batched` says)."""
         depths = self._chain_depths(indexes)
-        batches: list[tuple[torch.device, list[MetadataIndex]]] = []
-        open_: dict[torch.device, tuple[list[MetadataIndex], int]] = {}
-        for index in indexes:
-            device = devices[index]
-            assert device is not None
-            limit = self.gpu.gpu_budget(device, load=True) // (4 * self.gpu_threads)
-            size = self._expected_nbytes(index) * (depths[index] + 1)
-            items, total = open_.get(device, ([], 0))
-            if items and (total + size > limit or len(items) >= MAX_GPU_BATCH_ITEMS):
-                batches.append((device, items))
-                items, total = [], 0
-            open_[device] = ([*items, index], total + size)
-        batches += [(device, items) for device, (items, _) in open_.items() if items]
+        budget = self._per_device(devices, indexes, lambda device: self.gpu.gpu_budget(device, load=True) // (4 * self.gpu_threads))
+        sized = [(ix, devices[ix], self._expected_nbytes(ix) * (depths[ix] + 1)) for ix in indexes]
+        batches = _batched(sized, budget, self.gpu_threads)
         return [(device, self._levels(items, depths)) for device, items in batches]
 
     def _levels(self, items: list[MetadataIndex], depths: dict[MetadataIndex, int],
@@ -939,27 +929,27 @@ class NvcompReader(StorageReader):
     def _gpu_batches(
         self, order: list[MetadataIndex], devices: dict[MetadataIndex, torch.device | None]
     ) -> list[tuple[torch.device, list[MetadataIndex]]]:
-        """Group GPU-decoded items into batches whose stored size fits half a thread's budget."""
-        batches: list[tuple[torch.device, list[MetadataIndex]]] = []
-        open_: dict[torch.device, tuple[list[MetadataIndex], int]] = {}
-        limits: dict[torch.device, int] = {}  # gpu_budget asks the driver: once per device, not per item
-        for index in order:
-            device = devices[index]
-            assert device is not None
-            if device not in limits:
-                limits[device] = self.gpu.gpu_budget(device, load=True) // (2 * self.gpu_threads)
-            limit = limits[device]
-            size = self._place(index)[2]
-            items, total = open_.get(device, ([], 0))
-            if items and (total + size > limit or len(items) >= MAX_GPU_BATCH_ITEMS):
-                batches.append((device, items))
-                items, total = [], 0
-            open_[device] = ([*items, index], total + size)
-        batches += [(device, items) for device, (items, _) in open_.items() if items]
+        """Group GPU-decoded items into batches whose stored size fits half a thread's budget,
+        and is at most a ``gpu_threads``-th of the device's items (:func:`_batched`)."""
+        budget = self._per_device(devices, order, lambda device: self.gpu.gpu_budget(device, load=True) // (2 * self.gpu_threads))
+        batches = _batched([(ix, devices[ix], self._place(ix)[2]) for ix in order], budget, self.gpu_threads)
         # Destinations _decode_device found for whole tensors ride with their batch (and are
         # forgotten here: a later load never sees them).
         found = _GPU_TARGETS.pop(self, {})
         return [(device, _GpuBatch(items, [found.get(ix) for ix in items])) for device, items in batches]
+
+    @staticmethod
+    def _per_device(devices: dict[MetadataIndex, torch.device | None], indexes: list[MetadataIndex],
+                    value: Callable[[torch.device], int]) -> dict[torch.device, int]:
+        """``value(device)`` for each device of ``indexes``: asked once per device, not per item
+        (gpu_budget asks the driver)."""
+        out: dict[torch.device, int] = {}
+        for index in indexes:
+            device = devices[index]
+            assert device is not None
+            if device not in out:
+                out[device] = value(device)
+        return out
 
     @staticmethod
     def _check_against_metadata(
@@ -1560,6 +1550,35 @@ def _naming_item(where: object) -> Iterator[None]:
 @functools.cache
 def _element_size(dtype: torch.dtype | None) -> int:
     return dtype.itemsize if dtype is not None else 1
+
+
+#: A GPU batch is cut at a ``gpu_threads``-th of its device's items so that every decode thread
+#: has work (a 1 GB checkpoint was one batch, read and decoded by one thread), but not below this.
+MIN_GPU_BATCH_BYTES = 32 << 20
+
+
+def _batched(items: list[tuple[MetadataIndex, torch.device | None, int]], budget: dict[torch.device, int],
+             threads: int) -> list[tuple[torch.device, list[MetadataIndex]]]:
+    """Cut ``(index, device, size)`` rows, in order, into batches per device of at most that
+    device's ``budget`` bytes, at most ``MAX_GPU_BATCH_ITEMS`` items, and at most an even
+    ``threads``-th of the device's total (at least ``MIN_GPU_BATCH_BYTES``): every GPU thread
+    gets a batch however small the load. An item larger than the limit is a batch alone."""
+    totals: dict[torch.device, int] = {}
+    for _, device, size in items:
+        assert device is not None
+        totals[device] = totals.get(device, 0) + size
+    limits = {d: min(budget[d], max(MIN_GPU_BATCH_BYTES, -(-total // max(1, threads)))) for d, total in totals.items()}
+    batches: list[tuple[torch.device, list[MetadataIndex]]] = []
+    open_: dict[torch.device, tuple[list[MetadataIndex], list[int]]] = {}
+    for index, device, size in items:
+        assert device is not None
+        members, used = open_.setdefault(device, ([], [0]))
+        if members and (used[0] + size > limits[device] or len(members) >= MAX_GPU_BATCH_ITEMS):
+            batches.append((device, members))
+            members, used = open_[device] = ([], [0])
+        members.append(index)
+        used[0] += size
+    return batches + [(device, members) for device, (members, _) in open_.items() if members]
 
 
 def _holding(slots: threading.BoundedSemaphore, fn: Callable[..., _T], *args: Any) -> _T:

@@ -191,3 +191,27 @@ def test_window_cancel_drops_what_has_not_started() -> None:
     assert futures[0].cancelled() and futures[1].cancelled()
     assert list(window.rest()) == []  # nothing left to start or hand out
     assert started == [0, 1]
+
+
+def test_gpu_batches_give_every_decode_thread_work_within_the_budget() -> None:
+    from nvdcp.dcp.reader import MAX_GPU_BATCH_ITEMS, MIN_GPU_BATCH_BYTES, _batched
+
+    a, b = torch.device("cuda", 0), torch.device("cuda", 1)
+    mib = 1 << 20
+    # 1 GiB in 64 MiB items on one device, a 1 GiB budget: one batch before; now one per thread
+    rows = [(k, a, 64 * mib) for k in range(16)]
+    batches = _batched(rows, {a: 1 << 30}, 4)  # type: ignore[arg-type]
+    assert [len(items) for _, items in batches] == [4, 4, 4, 4]
+    assert [ix for _, items in batches for ix in items] == list(range(16))  # order kept
+    # the budget still bounds a batch
+    assert [len(items) for _, items in _batched(rows, {a: 128 * mib}, 4)] == [2] * 8  # type: ignore[arg-type]
+    # small loads are not cut below MIN_GPU_BATCH_BYTES
+    tiny = [(k, a, mib) for k in range(2 * MIN_GPU_BATCH_BYTES // mib)]
+    assert [len(items) for _, items in _batched(tiny, {a: 1 << 30}, 4)] == [MIN_GPU_BATCH_BYTES // mib] * 2  # type: ignore[arg-type]
+    # an item over the limit is a batch alone; devices are batched apart
+    mixed = [(0, a, 10 * mib), (1, b, 10 * mib), (2, a, 900 * mib), (3, a, 10 * mib), (4, b, 10 * mib)]
+    got = _batched(mixed, {a: 256 * mib, b: 256 * mib}, 4)  # type: ignore[arg-type]
+    assert sorted((str(d), items) for d, items in got) == [("cuda:0", [0]), ("cuda:0", [2]), ("cuda:0", [3]), ("cuda:1", [1, 4])]
+    # at most MAX_GPU_BATCH_ITEMS items per batch
+    many = [(k, a, 1) for k in range(MAX_GPU_BATCH_ITEMS + 5)]
+    assert [len(items) for _, items in _batched(many, {a: 1 << 30}, 4)] == [MAX_GPU_BATCH_ITEMS, 5]  # type: ignore[arg-type]
