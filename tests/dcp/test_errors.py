@@ -54,10 +54,14 @@ def test_path_is_a_file(tmp_path: Path) -> None:
 def test_incomplete_checkpoint_is_refused(tmp_path: Path) -> None:
     save(_sd(), tmp_path)
     (tmp_path / ".metadata").unlink()
-    err = _load_error(tmp_path)
-    assert "no committed checkpoint" in str(err) and str(tmp_path) in str(err)
-    with pytest.raises(nvdcp.IncompleteCheckpointError):
+    with pytest.raises(nvdcp.IncompleteCheckpointError, match="no committed checkpoint") as info:
         nvdcp.NvcompReader(tmp_path).read_metadata()
+    assert str(tmp_path) in str(info.value)
+    err = _load_error(tmp_path)
+    # torch 2.11's dcp.load replaces the reader's error with its own "metadata is None" (seen on
+    # the H200 machine); later versions (2.13 here) pass it on.
+    if str(err) != "metadata is None":
+        assert "no committed checkpoint" in str(err) and str(tmp_path) in str(err)
 
 
 def test_missing_data_file(tmp_path: Path) -> None:
