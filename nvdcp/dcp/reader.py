@@ -478,9 +478,14 @@ class NvcompReader(StorageReader):
             functools.partial(pool.submit, self._load_delta_group_cpu, group, report, targets)
             for group in self._delta_groups([ix for ix in indexes if devices.get(ix) is None])
         ]
-        for device, levels in self._delta_batches([ix for ix in indexes if devices.get(ix) is not None], devices):
+        gpu_batches = self._delta_batches([ix for ix in indexes if devices.get(ix) is not None], devices)
+        for device, levels in gpu_batches:
             units.append(functools.partial(self._start_delta_batch_gpu, levels, device, report, pool, gpu_slots))
-        return _Window(units, READ_WINDOW_PER_THREAD * self.gpu_threads)
+        # Rebuilt GPU items wait in fresh device memory until committed: gpu_threads batches of
+        # at most a quarter of a thread's budget each (their levels included) bound it to a
+        # quarter of the load's GPU budget. Host groups are 16 MiB: one per I/O thread and more.
+        window = self.gpu_threads if gpu_batches else READ_WINDOW_PER_THREAD * self.thread_count
+        return _Window(units, window)
 
     def _delta_groups(self, indexes: list[MetadataIndex]) -> list[list[MetadataIndex]]:
         """Host-decoded delta items in groups of about ``DELTA_GROUP_BYTES`` of stored records

@@ -414,7 +414,7 @@ class GpuEncoder:
             if job.keep is not None:
                 job.keep[start * p : (start + m) * p].copy_(src, non_blocking=True)
             if base is not None:
-                src = delta_transform.encode_torch(src, base, delta_transform.kind_for(job.dtype), job.dtype.itemsize)
+                src = delta_transform.encode_into_base_torch(src, base, delta_transform.kind_for(job.dtype), job.dtype.itemsize)
             region = slots[seg.first_slot : seg.first_slot + seg.n_blocks * p]
             if job.layout.transform == TRANSFORM_BYTEPLANES:
                 if full:

@@ -96,6 +96,18 @@ def encode_torch(raw: torch.Tensor, base: torch.Tensor, kind: int, element_size:
     return z.view(torch.uint8)
 
 
+def encode_into_base_torch(raw: torch.Tensor, base: torch.Tensor, kind: int, element_size: int) -> torch.Tensor:
+    """As :func:`encode_torch`, written over ``base`` (a scratch copy of the base's bytes, e.g.
+    the GPU encoder's upload of it) with one temporary instead of four; returns ``base``."""
+    if kind == XOR:
+        return base.bitwise_xor_(raw)
+    d = base.view(_TORCH_INT[element_size])
+    torch.sub(raw.view(d.dtype), d, out=d)
+    sign = d >> (8 * element_size - 1)
+    d.bitwise_left_shift_(1).bitwise_xor_(sign)
+    return base
+
+
 def to_difference_torch(delta: torch.Tensor, kind: int, element_size: int) -> None:
     """Turn a decoded ``ZIGZAG_DIFF`` delta (uint8) into the plain difference, in place, so that
     the differences of a chain add up (XOR deltas are left as they are: they XOR up)."""
@@ -121,6 +133,7 @@ def accumulate_torch(acc: torch.Tensor, level: torch.Tensor, kind: int, element_
 
 
 __all__ = [
-    "KINDS", "XOR", "ZIGZAG_DIFF", "accumulate_torch", "apply_np", "encode_np", "encode_torch", "kind_for",
+    "KINDS", "XOR", "ZIGZAG_DIFF", "accumulate_torch", "apply_np", "encode_into_base_torch", "encode_np", "encode_torch",
+    "kind_for",
     "to_difference_torch",
 ]

@@ -63,6 +63,9 @@ def test_torch_matches_numpy_and_a_chain_folds_top_down(kind: int, size: int) ->
     for i in range(3):
         got = D.encode_torch(torch.from_numpy(levels[i + 1]), torch.from_numpy(levels[i]), kind, size)
         assert np.array_equal(got.numpy(), deltas[i])
+        base = torch.from_numpy(levels[i].copy())
+        into = D.encode_into_base_torch(torch.from_numpy(levels[i + 1]), base, kind, size)
+        assert into.data_ptr() == base.data_ptr() and np.array_equal(into.numpy(), deltas[i])
     # the GPU path's order: the top delta first, then each lower delta, then the root
     acc = torch.from_numpy(deltas[2].copy())
     D.to_difference_torch(acc, kind, size)
