@@ -850,7 +850,7 @@ class NvcompReader(StorageReader):
             element_size = _element_size(dtype)
             if header.transform and header.n_planes != element_size:
                 raise CorruptCheckpointError(f"{where}: {header.n_planes} byte planes for {element_size}-byte elements")
-            # a v2 record exactly where .metadata says delta (_load_delta_batch_gpu XORs it with its base)
+            # a v2 record exactly where .metadata says delta (_combine_levels folds it with its bases)
             delta = descriptor.is_delta(self._record(index))
             self._check_against_metadata(header, dtype, shape, element_size, where, delta)  # type: ignore[arg-type]
             found = targets[i] if targets is not None else None
