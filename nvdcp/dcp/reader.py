@@ -474,11 +474,12 @@ class NvcompReader(StorageReader):
             if flat is not None:
                 targets[index] = (target, flat)
 
+        depths = self._chain_depths(indexes)  # raises here, before any read, for a base missing an item
         units: list[Callable[[], _Pending]] = [
             functools.partial(pool.submit, self._load_delta_group_cpu, group, report, targets)
             for group in self._delta_groups([ix for ix in indexes if devices.get(ix) is None])
         ]
-        gpu_batches = self._delta_batches([ix for ix in indexes if devices.get(ix) is not None], devices)
+        gpu_batches = self._delta_batches([ix for ix in indexes if devices.get(ix) is not None], devices, depths)
         for device, levels in gpu_batches:
             units.append(functools.partial(self._start_delta_batch_gpu, levels, device, report, pool, gpu_slots))
         # Rebuilt GPU items wait in fresh device memory until committed: gpu_threads batches of
@@ -522,12 +523,13 @@ class NvcompReader(StorageReader):
         return depths
 
     def _delta_batches(self, indexes: list[MetadataIndex], devices: dict[MetadataIndex, torch.device | None],
+                       depths: dict[MetadataIndex, int],
                        ) -> list[tuple[torch.device, list[tuple[NvcompReader, list[MetadataIndex]]]]]:
         """GPU-decoded delta items in batches, each as its chain levels: ``(reader, items whose
         record that level holds)``, this checkpoint first. A batch holds every level of its items
         on the device at once until they are combined, so its raw bytes times its levels stay
-        within a quarter of a thread's GPU budget (cut as :func:`_batched` says)."""
-        depths = self._chain_depths(indexes)
+        within a quarter of a thread's GPU budget (cut as :func:`_batched` says). ``depths``:
+        :meth:`_chain_depths`."""
         budget = self._per_device(devices, indexes, lambda device: self.gpu.gpu_budget(device, load=True) // (4 * self.gpu_threads))
         sized = [(ix, devices[ix], self._expected_nbytes(ix) * (depths[ix] + 1)) for ix in indexes]
         batches = _batched(sized, budget, self.gpu_threads)
