@@ -19,8 +19,9 @@ DEFAULT_MIN_GAIN = 0.02
 #: item a fixed amount of host work on every save and load (its base found, copied and kept; one
 #: more record per chain level read, checked and folded), and what it saves is a fraction of the
 #: item's size. In the reference GPT's fp32 AdamW state (benchmarks/delta_bench.py) the 294 of
-#: 447 items under this size (norms and biases) hold 0.14% of the bytes; as deltas they took the
-#: H200's save encode thread about as long as the other 153 items.
+#: 447 items under this size (norms and biases) hold 0.14% of the bytes; on the H200 a delta
+#: save kept the GPU encode thread busy about twice as long as a full save, in per-segment torch
+#: calls of which each of these items made as many as a large one.
 DEFAULT_MIN_ITEM_BYTES = 64 << 10
 #: Environment variable that overrides :data:`DEFAULT_MIN_ITEM_BYTES` (bytes) for policies and
 #: writers given no ``min_item_bytes`` (the test suite sets 0: its states are small).
