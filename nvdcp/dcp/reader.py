@@ -573,9 +573,10 @@ class NvcompReader(StorageReader):
         above_reader = self
         for depth, ((reader, _), results) in enumerate(zip(levels, decoded)):
             for index, header, raw in results:
+                element_size = _element_size(self.expected(index)[0])
                 if depth == 0:
                     if header.is_delta:
-                        delta_transform.to_difference_torch(raw, header.delta_kind, _element_size(self.expected(index)[0]))
+                        delta_transform.to_difference_torch(raw, header.delta_kind, element_size)
                     rebuilt[index] = (header, raw, header)
                     continue
                 top, acc, above = rebuilt[index]
@@ -585,7 +586,6 @@ class NvcompReader(StorageReader):
                         f"{reader.where(index)}: delta kind {header.delta_kind} under a delta of kind "
                         f"{top.delta_kind} (nvdcp never mixes them in one item's chain)"
                     )
-                element_size = _element_size(self.expected(index)[0])
                 delta_transform.accumulate_torch(acc, raw, top.delta_kind, element_size, header.is_delta)
                 rebuilt[index] = (top, acc, header)
             above_reader = reader
