@@ -13,6 +13,9 @@ changed bitstream gets a new id, never a new meaning for an old one (golden file
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import numpy as np
 
 from nvdcp.errors import CodecUnavailableError
 
@@ -54,6 +57,27 @@ class Codec(ABC):
     @abstractmethod
     def encode(self, chunk: Buffer) -> bytes:
         """Compress one chunk into a self-contained bitstream."""
+
+    def encode_ranges(self, buf: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, threads: int = 1) -> Sequence[Buffer]:
+        """Compress ``buf[offsets[i] : offsets[i] + lengths[i]]`` for every ``i`` (``buf``: a
+        contiguous uint8 array; every range non-empty and inside it): one stream per range, in
+        order, each what :meth:`encode` returns for it. ``threads``: how many threads a codec
+        that batches natively may use. This default calls :meth:`encode` per range."""
+        view = buf.data
+        return [self.encode(view[o : o + n]) for o, n in zip(offsets.tolist(), lengths.tolist())]
+
+    def decode_ranges(self, buf: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, raw_lengths: np.ndarray,
+                      threads: int = 1) -> np.ndarray:
+        """Decode the streams ``buf[offsets[i] : offsets[i] + lengths[i]]`` back to back into one
+        uint8 array: stream ``i`` to ``raw_lengths[i]`` bytes at ``raw_lengths[:i].sum()``.
+        Raises ``ValueError`` as :meth:`decode` does. This default calls :meth:`decode` per stream."""
+        out = np.empty(int(raw_lengths.sum()), dtype=np.uint8)
+        view, dst = buf.data, out.data
+        at = 0
+        for o, n, r in zip(offsets.tolist(), lengths.tolist(), raw_lengths.tolist()):
+            self.decode(view[o : o + n], dst[at : at + r])
+            at += r
+        return out
 
     @abstractmethod
     def decode(self, data: Buffer, out: memoryview) -> None:

@@ -64,6 +64,7 @@ from nvdcp.errors import (
     NvdcpError,
     TruncatedCheckpointError,
 )
+from nvdcp.format.crc import checksum_ranges
 from nvdcp.format.delta import BaseRef, base_candidates, read_delta
 from nvdcp.format.digest import DIGEST_ATTR, digest_of_header
 from nvdcp.format.dtypes import code_dtype
@@ -87,6 +88,7 @@ from nvdcp.pipeline.cpu import (
     describe_chunk,
     verify_chunks,
 )
+from nvdcp.pipeline.cpu_batch import decode_records, parse_records
 from nvdcp.pipeline.tensors import tensor_nbytes
 from nvdcp.report import Report
 from nvdcp.storage import Storage, open_storage
@@ -1088,6 +1090,11 @@ class NvcompReader(StorageReader):
         with _naming_item(_LazyWhere(self, items[0].index)):
             buf = self._read_bytes(items[0].name, start, batch.end - start)
         t1 = time.perf_counter()
+        together = self._decode_together(items, buf, start)
+        if together is not None:
+            report.add(sum(h.raw_nbytes for _, h, _ in together if h is not None), int(buf.size), read_s=t1 - t0,
+                       decode_s=time.perf_counter() - t1)
+            return together
         parsed = [self._parse_in_batch(item, buf, item.offset - start) for item in items]
         counts = [len(p[1]) for p in parsed]
         if sum(counts):
@@ -1106,6 +1113,43 @@ class NvcompReader(StorageReader):
             results.append((item.index, header, _InPlace(item.target) if item.target is not None else out))
         report.add(raw, int(buf.size), read_s=t1 - t0, decode_s=time.perf_counter() - t1)
         return results
+
+    def _decode_together(
+        self, items: list[_CpuItem], buf: np.ndarray, start: int,
+    ) -> list[tuple[MetadataIndex, ItemHeader | None, Any]] | None:
+        """The batch's records parsed, checked and decoded in arrays
+        (:func:`~nvdcp.pipeline.cpu_batch.parse_records`, :func:`~nvdcp.pipeline.cpu_batch.decode_records`);
+        None when a record needs the one-by-one path (a delta record, or damage: that path
+        names it). Every check of the one-by-one path is made."""
+        starts = np.fromiter((item.offset - start for item in items), dtype=np.int64, count=len(items))
+        lengths = np.fromiter((item.length for item in items), dtype=np.int64, count=len(items))
+        parsed = parse_records(buf, starts, lengths)
+        if parsed is None:
+            return None
+        outs = []
+        try:
+            for item, header in zip(items, parsed.headers):
+                check_decodable(header, item.element_size, "")
+                self._check_against_metadata(header, item.dtype, item.shape, item.element_size, "")
+                out = item.out
+                if out is None:
+                    out = np.empty(header.raw_nbytes, dtype=np.uint8)
+                elif out.size != header.raw_nbytes:
+                    return None
+                outs.append(out)
+        except (CorruptCheckpointError, CodecUnavailableError):
+            return None
+        if len(parsed.sizes):
+            if (checksum_ranges(buf, parsed.starts, parsed.sizes, threads=1) != parsed.crcs).any():
+                return None
+            try:
+                decode_records(buf, parsed, outs)
+            except ValueError:
+                return None
+        return [
+            (item.index, header, _InPlace(item.target) if item.target is not None else out)
+            for item, header, out in zip(items, parsed.headers, outs)
+        ]
 
     def _parse_in_batch(
         self, item: _CpuItem, buf: np.ndarray, at: int

@@ -772,7 +772,7 @@ class _RecordWriter:
         self.stream = stream
         self.max_run = max_run
         self.pos = 0
-        self.parts: list[bytes] = []
+        self.parts: list[bytes | memoryview] = []
         self.pending = 0
 
     def start(self, file_header: bytes) -> None:
@@ -783,7 +783,9 @@ class _RecordWriter:
         """Queue or write ``encoded``; returns its offset in the file."""
         offset, size = self.pos, encoded.nbytes
         if size <= SMALL_RECORD_BYTES:
-            self.parts.append(b"".join([encoded.header_bytes, *encoded.chunks]))
+            # a batch's record is in memory of its own (kept until written); others are copied
+            record = encoded.record
+            self.parts.append(record if record is not None else b"".join([encoded.header_bytes, *encoded.chunks]))
             self.pending += size
             if self.pending >= WRITE_BATCH_BYTES:
                 self.flush()
@@ -803,13 +805,17 @@ class _RecordWriter:
         assert self.max_run is not None
         run: list[Any] = []
         run_bytes = 0
-        for part in parts:
-            n = memoryview(part).nbytes
-            if run and run_bytes + n > self.max_run:
-                self.stream.writelines(run)
-                run, run_bytes = [], 0
-            run.append(part)
-            run_bytes += n
+        for whole in parts:
+            view = memoryview(whole).cast("B")
+            # a part larger than a run (a batch record's chunks are one view) is cut into runs
+            for at in range(0, max(view.nbytes, 1), self.max_run):
+                part = view[at : at + self.max_run]
+                n = part.nbytes
+                if run and run_bytes + n > self.max_run:
+                    self.stream.writelines(run)
+                    run, run_bytes = [], 0
+                run.append(part)
+                run_bytes += n
         if run:
             self.stream.writelines(run)
 

@@ -437,3 +437,40 @@ extern "C" int nvdcp_merge_planes(const uint8_t* const* planes, int64_t n, int e
   }
 }
 
+
+// Copy n ranges: sizes[i] bytes from address srcs[i] to address dsts[i] (a small-item batch's
+// stored chunks gathered into its records, nvdcp/pipeline/cpu_batch.py: one call instead of a
+// Python slice copy per chunk). Ranges must not overlap.
+extern "C" int nvdcp_gather(const int64_t* srcs, const int64_t* dsts, const int64_t* sizes, int64_t n) noexcept {
+  for (int64_t i = 0; i < n; ++i) {
+    if (sizes[i] > 0) {
+      std::memcpy(reinterpret_cast<void*>(dsts[i]), reinterpret_cast<const void*>(srcs[i]),
+                  static_cast<size_t>(sizes[i]));
+    }
+  }
+  return 0;
+}
+
+// Split `count` arrays into one set of planes: array i (ns[i] elements of e bytes at address
+// srcs[i]) lands at dst + offsets[i] in every plane (plane p at dst + p * stride). The tensors
+// of a small-item batch go from their own memory straight into the batch's planes, with no
+// concatenated copy first (nvdcp/pipeline/cpu_batch.py).
+extern "C" int nvdcp_split_planes_many(const int64_t* srcs, const int64_t* ns, int64_t count, int e, uint8_t* dst,
+                                       const int64_t* offsets, int64_t stride) noexcept {
+  for (int64_t i = 0; i < count; ++i) {
+    nvdcp_split_planes(reinterpret_cast<const uint8_t*>(srcs[i]), ns[i], e, dst + offsets[i], stride);
+  }
+  return 0;
+}
+
+// Merge `count` blocks of e planes each: block i's planes at the addresses planes[i * e ..
+// i * e + e), ns[i] bytes each, interleaved into ns[i] elements at address dsts[i]. A batch of
+// small records decodes into its destinations with one call (nvdcp/pipeline/cpu_batch.py).
+extern "C" int nvdcp_merge_planes_many(const int64_t* planes, const int64_t* ns, const int64_t* dsts, int64_t count,
+                                       int e) noexcept {
+  for (int64_t i = 0; i < count; ++i) {
+    nvdcp_merge_planes(reinterpret_cast<const uint8_t* const*>(planes + i * e), ns[i], e,
+                       reinterpret_cast<uint8_t*>(dsts[i]));
+  }
+  return 0;
+}

@@ -96,6 +96,11 @@ class ChunkTable(Sequence[tuple[int, int]]):
         return cls._wrap(array)
 
     @classmethod
+    def of_array(cls, array: np.ndarray) -> ChunkTable:
+        """A table viewing ``array`` (``(n, 2)`` uint32, little-endian: sizes, CRC32Cs), not copied."""
+        return cls._wrap(array)
+
+    @classmethod
     def unpack(cls, data: bytes | memoryview, count: int) -> ChunkTable:
         """``count`` packed entries (``<II`` each), copied out of ``data``."""
         return cls._wrap(np.frombuffer(data, dtype="<u4", count=2 * count).astype(np.uint32).reshape(-1, 2))

@@ -116,6 +116,9 @@ class EncodedItem:
     chunks: Sequence[bytes | memoryview]  # a list, or ChunkSpans (GPU records: no object per chunk)
     #: a delta whose XOR is all zero: the item equals its base item (the stale-save check)
     unchanged: bool = False
+    #: the whole record (header, then chunks) where it lies contiguous in memory that nothing
+    #: reuses (a small-item batch's buffer, :mod:`nvdcp.pipeline.cpu_batch`): written as it is
+    record: memoryview | None = None
 
     @functools.cached_property
     def nbytes(self) -> int:
@@ -174,7 +177,7 @@ def _encode_blocks(
 
 
 @functools.cache
-def _plane_codecs(names: tuple[str, ...], n_planes: int, sparse: bool) -> list[Codec | None]:
+def plane_encoders(names: tuple[str, ...], n_planes: int, sparse: bool) -> list[Codec | None]:
     """Each plane's CPU codec (None: stored raw); ``sparse``: the planes are float sign+exponent
     bytes, which codecs may encode with tuned settings (:meth:`Codec.for_sparse_planes`)."""
     out: list[Codec | None] = []
@@ -189,12 +192,12 @@ def _plane_codecs(names: tuple[str, ...], n_planes: int, sparse: bool) -> list[C
 
 
 @functools.cache
-def _codec_ids(names: tuple[str, ...]) -> tuple[int, ...]:
+def layout_codec_ids(names: tuple[str, ...]) -> tuple[int, ...]:
     return tuple(codec_id(n) for n in names)
 
 
 @functools.cache
-def _float_planes(kind: int, dtype_code: int, transform: int) -> bool:
+def float_planes(kind: int, dtype_code: int, transform: int) -> bool:
     """Whether an item's byte planes are those of a float (or complex) dtype."""
     if kind != KIND_TENSOR or transform != TRANSFORM_BYTEPLANES:
         return False
@@ -259,8 +262,8 @@ def encode_item(
         delta = (base, delta_kind, element_size, [])  # each group takes its own difference
     # difference planes are mostly zero bytes and short runs, like float sign+exponent planes:
     # the same tuned codec settings
-    sparse = base is not None or _float_planes(kind, dtype_code, layout.transform)
-    codecs = _plane_codecs(layout.plane_codecs, n_planes, sparse)
+    sparse = base is not None or float_planes(kind, dtype_code, layout.transform)
+    codecs = plane_encoders(layout.plane_codecs, n_planes, sparse)
     if base is not None:
         probe = min(raw.size, chunk_bytes * n_planes)
         first = delta_transform.encode_np(raw[:probe], base[:probe], delta_kind, element_size)
@@ -285,7 +288,7 @@ def encode_item(
         shape=shape,
         raw_nbytes=raw.size,
         transform=layout.transform,
-        plane_codecs=_codec_ids(layout.plane_codecs),
+        plane_codecs=layout_codec_ids(layout.plane_codecs),
         chunks=ChunkTable.from_columns([len(s) for s, _ in stored], [crc for _, crc in stored]),
         chunk_bytes=chunk_bytes,
         base_digest=base_digest if base is not None else None,

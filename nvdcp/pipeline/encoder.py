@@ -36,6 +36,7 @@ from nvdcp.gpu import gpu_available
 from nvdcp.gpu.config import GpuConfig
 from nvdcp.pipeline.config import EncodeConfig
 from nvdcp.pipeline.cpu import EncodedItem, encode_item
+from nvdcp.pipeline.cpu_batch import encode_tensor_batch
 from nvdcp.pipeline.delta import DeltaInput, DeltaTensor
 from nvdcp.pipeline.policy import GPU_AUTO_CODEC, choose_delta_layout, choose_layout
 from nvdcp.pipeline.tensors import flat_bytes, plain, tensor_to_host_bytes
@@ -294,7 +295,8 @@ class ItemEncoder:
         """
         gpu_ok = gpu_available()
         jobs: list[GpuJob] = []
-        batches = _CpuBatches(self.codec_pool(), 2 * SMALL_ITEM_THREADS, self._small_gate)
+        batches = _CpuBatches(self.codec_pool(), 2 * SMALL_ITEM_THREADS, self._small_gate,
+                              functools.partial(self._encode_small, describe=describe))
         try:
             for key, data in items:
                 tensor = data.tensor if isinstance(data, DeltaTensor) else data
@@ -303,7 +305,7 @@ class ItemEncoder:
                     continue
                 nbytes = _nbytes(data)
                 if nbytes < SMALL_ITEM_BYTES:
-                    yield from batches.add(key, functools.partial(self._encode_cpu, data, key, describe), nbytes)
+                    yield from batches.add(key, data, nbytes)
                     continue
                 yield from batches.drain()
                 yield key, self._encode_cpu(data, key, describe, self.codec_pool())
@@ -313,6 +315,28 @@ class ItemEncoder:
         if jobs:
             for job, encoded in self.encode_gpu_jobs(jobs, shares):
                 yield job.key, encoded
+
+    def _encode_small(self, keys: list[Any], datas: list[ItemData], describe: Callable[[Any], str]) -> list[EncodedItem]:
+        """One batch of small items (on a codec thread): host tensors stored whole are encoded
+        together (:func:`~nvdcp.pipeline.cpu_batch.encode_tensor_batch`: per-item work in
+        arrays), the rest (deltas, byte blobs, GPU-only codecs) one by one."""
+        together = [] if self.config.gpu_only else [
+            i for i, d in enumerate(datas) if isinstance(d, torch.Tensor) and d.device.type == "cpu"
+        ]
+        out: list[EncodedItem | None] = [None] * len(datas)
+        if together:
+            tensors: list[torch.Tensor] = [datas[i] for i in together]  # type: ignore[misc]
+            codes = _dtype_codes(tensors, [keys[i] for i in together], describe)
+            records = encode_tensor_batch(
+                tensors, codes, functools.partial(choose_layout, codec=self.config.codec), self.config.chunk_bytes,
+                self.config.threads,
+            )
+            for i, record in zip(together, records):
+                out[i] = record
+        for i, (key, data) in enumerate(zip(keys, datas)):
+            if out[i] is None:
+                out[i] = self._encode_cpu(data, key, describe)
+        return out  # type: ignore[return-value]
 
     def _encode_cpu(
         self, data: ItemData, key: Any, describe: Callable[[Any], str], pool: ThreadPoolExecutor | None = None,
@@ -335,7 +359,7 @@ class ItemEncoder:
 
 #: Items under this many bytes are encoded in batches (see encode_items); larger ones split their
 #: own blocks over the codec pool.
-SMALL_ITEM_BYTES = 1 << 20
+SMALL_ITEM_BYTES = 4 << 20
 #: Small items' batches an encoder runs at once (writers of one setting share an encoder). A
 #: small item's encode is mostly Python (its codec and CRC calls take microseconds), so threads
 #: encoding at once mostly wait for each other's GIL. 20,000 small tensors, write_data of a save
@@ -361,28 +385,35 @@ def _nbytes(data: ItemData) -> int:
     return memoryview(data).nbytes  # type: ignore[arg-type]  # numpy arrays are buffers
 
 
-def _run_batch(encodes: list[Callable[[], EncodedItem]], gate: threading.BoundedSemaphore) -> list[EncodedItem]:
+#: Encodes one batch of small items: ``(keys, datas) -> records``, in order.
+BatchEncode = Callable[[list[Any], list[ItemData]], list[EncodedItem]]
+
+
+def _run_batch(encode: BatchEncode, keys: list[Any], datas: list[ItemData],
+               gate: threading.BoundedSemaphore) -> list[EncodedItem]:
     with gate:  # a pool thread waiting here holds no GIL; the batch holding the gate needs nothing else
-        return [encode() for encode in encodes]
+        return encode(keys, datas)
 
 
 class _CpuBatches:
-    """Small items' encodes grouped into pool tasks, ``window`` tasks in flight at most, their
-    records handed back in the order the items came."""
+    """Small items grouped into pool tasks (``encode`` runs one batch), ``window`` tasks in
+    flight at most, their records handed back in the order the items came."""
 
-    def __init__(self, pool: ThreadPoolExecutor, window: int, gate: threading.BoundedSemaphore) -> None:
+    def __init__(self, pool: ThreadPoolExecutor, window: int, gate: threading.BoundedSemaphore,
+                 encode: BatchEncode) -> None:
         self.pool = pool
         self.window = max(1, window)
         self.gate = gate
+        self.encode = encode
         self.keys: list[Any] = []
-        self.encodes: list[Callable[[], EncodedItem]] = []
+        self.datas: list[ItemData] = []
         self.nbytes = 0
         self.pending: list[tuple[list[Any], Future[list[EncodedItem]]]] = []
 
-    def add(self, key: Any, encode: Callable[[], EncodedItem], nbytes: int) -> Iterator[tuple[Any, EncodedItem]]:
+    def add(self, key: Any, data: ItemData, nbytes: int) -> Iterator[tuple[Any, EncodedItem]]:
         """Queue one item; yields the records of batches done while the window is full."""
         self.keys.append(key)
-        self.encodes.append(encode)
+        self.datas.append(data)
         self.nbytes += nbytes
         if self.nbytes >= SMALL_BATCH_BYTES or len(self.keys) >= SMALL_BATCH_ITEMS:
             self._submit()
@@ -405,8 +436,8 @@ class _CpuBatches:
 
     def _submit(self) -> None:
         if self.keys:
-            self.pending.append((self.keys, self.pool.submit(_run_batch, self.encodes, self.gate)))
-            self.keys, self.encodes, self.nbytes = [], [], 0
+            self.pending.append((self.keys, self.pool.submit(_run_batch, self.encode, self.keys, self.datas, self.gate)))
+            self.keys, self.datas, self.nbytes = [], [], 0
 
     def _pop(self) -> Iterator[tuple[Any, EncodedItem]]:
         keys, future = self.pending.pop(0)
@@ -419,6 +450,18 @@ def descriptor_codec(encoded: EncodedItem) -> str:
 
     ids = [c for c in encoded.header.plane_codecs if c != 0]
     return codec_name(ids[0]) if ids else "none"
+
+
+def _dtype_codes(tensors: list[torch.Tensor], keys: list[Any], describe: Callable[[Any], str]) -> list[int]:
+    """Each tensor's dtype code, looked up once per dtype (the item is named only on an error)."""
+    codes: dict[torch.dtype, int] = {}
+    out = []
+    for t, key in zip(tensors, keys):
+        code = codes.get(t.dtype)
+        if code is None:
+            code = codes[t.dtype] = _dtype_code(t.dtype, describe(key))
+        out.append(code)
+    return out
 
 
 def _dtype_code(dtype: torch.dtype, where: str) -> int:

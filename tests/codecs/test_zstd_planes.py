@@ -57,5 +57,5 @@ def test_codecs_without_a_variant_return_themselves() -> None:
 )
 def test_only_float_planes_get_the_variant(kind: int, dtype: torch.dtype | None, transform: int, sparse: bool) -> None:
     code = dtype_code(dtype) if dtype is not None else 0
-    assert cpu._float_planes(kind, code, transform) is sparse
-    assert cpu._float_planes(KIND_TENSOR, 250, TRANSFORM_BYTEPLANES) is False  # unknown code: plain settings
+    assert cpu.float_planes(kind, code, transform) is sparse
+    assert cpu.float_planes(KIND_TENSOR, 250, TRANSFORM_BYTEPLANES) is False  # unknown code: plain settings

@@ -292,7 +292,7 @@ def test_small_item_batches_run_one_at_a_time_on_the_codec_pool(
     thread is added for them (the codec pool runs them)."""
     running, most, threads = [0], [0], set()
     lock = threading.Lock()
-    real = enc._encode_cpu
+    real = enc._encode_small
 
     def watched(*args: Any, **kwargs: Any) -> Any:
         with lock:
@@ -304,7 +304,7 @@ def test_small_item_batches_run_one_at_a_time_on_the_codec_pool(
             running[0] -= 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(enc, "_encode_cpu", watched)
+    monkeypatch.setattr(enc, "_encode_small", watched)
     items = [(i, torch.full((16,), float(i))) for i in range(4 * SMALL_BATCH_ITEMS)]
     results: list[list[int]] = [[], []]
 

@@ -1,0 +1,401 @@
+"""Small host tensors encoded together: one record per tensor, the per-item work done in arrays.
+
+A state of 20,000 small tensors spent most of its save in per-item Python: each tensor's plane
+split, a codec call and a CRC32C call per chunk, its header packed field by field, its record
+joined (benchmarks/cpu_pipeline_bench.py). Here the tensors of a batch that share a dtype are
+concatenated, split into byte planes in one native call, each compressed plane's chunks go to
+the codec in one call (zstd's batch API compresses them without the GIL), the stored chunks are
+gathered into the records in one native call, every chunk and every header is checksummed in one
+call each, and the chunk tables are written as one array. What stays per item is packing the
+header's fixed fields and the record object itself.
+
+The records are byte for byte those of :func:`nvdcp.pipeline.cpu.encode_item` (the same
+layout, codecs, chunking and raw fallback; tests/pipeline/test_cpu_batch.py compares them).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from nvdcp._native import load_function
+from nvdcp.format.crc import checksum_ranges
+from nvdcp.format.header import (
+    FULL_ITEM_VERSION,
+    ITEM_FIXED_SIZE,
+    ITEM_MAGIC,
+    KIND_BYTES,
+    KIND_TENSOR,
+    MAX_CHUNK_BYTES,
+    MAX_NDIM,
+    MAX_PLANES,
+    MIN_CHUNK_BYTES,
+    TRANSFORM_BYTEPLANES,
+    ChunkTable,
+    ItemHeader,
+)
+from nvdcp.pipeline.cpu import (
+    EncodedItem,
+    float_planes,
+    layout_codec_ids,
+    merge_planes,
+    plane_cpu_codecs,
+    plane_encoders,
+    split_planes,
+)
+from nvdcp.pipeline.policy import Layout
+
+_FORMAT_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "format")
+_CRC_SIZE = 4
+_ENTRY_SIZE = 8  # a chunk table entry: u32 stored bytes, u32 CRC32C
+
+
+@functools.cache
+def _native_gather() -> Callable[..., int] | None:
+    fn = load_function(_FORMAT_DIR, "_crc32c_batch", "nvdcp_gather")
+    if fn is not None:
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+        fn.restype = ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+@functools.cache
+def _native_split_many() -> Callable[..., int] | None:
+    fn = load_function(_FORMAT_DIR, "_crc32c_batch", "nvdcp_split_planes_many")
+    if fn is not None:
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
+                       ctypes.c_void_p, ctypes.c_int64]
+        fn.restype = ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+def _copy_ranges(out: np.ndarray, dst: np.ndarray, src_buffers: list[np.ndarray], src_of: np.ndarray,
+                 src_off: np.ndarray, sizes: np.ndarray) -> None:
+    """``out[dst[j] : dst[j] + sizes[j]] = src_buffers[src_of[j]][src_off[j] : ...]`` for every
+    chunk ``j``: one native call (the GIL released), or numpy slice copies without the library."""
+    fn = _native_gather()
+    if fn is not None:
+        bases = np.array([b.ctypes.data for b in src_buffers], dtype=np.int64)
+        srcs = bases[src_of] + src_off
+        dsts = dst + out.ctypes.data
+        fn(srcs.ctypes.data, dsts.ctypes.data, np.ascontiguousarray(sizes, dtype=np.int64).ctypes.data, len(sizes))
+        return
+    for d, b, o, n in zip(dst.tolist(), src_of.tolist(), src_off.tolist(), sizes.tolist()):
+        out[d : d + n] = src_buffers[b][o : o + n]
+
+
+def _exclusive_cumsum(values: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(values) + 1, dtype=np.int64)
+    np.cumsum(values, out=out[1:])
+    return out
+
+
+@functools.cache
+def _fixed_struct(ndim: int, n_planes: int) -> struct.Struct:
+    """The header's fixed fields, shape and plane codecs (padded to 4) of a v1 record."""
+    return struct.Struct(f"<4sHBBBBBBIQI{ndim}Q{n_planes}B{(-n_planes) % 4}x")
+
+
+def encode_tensor_batch(
+    tensors: Sequence[torch.Tensor], dtype_codes: Sequence[int], layout_of: Callable[[torch.dtype], Layout],
+    chunk_bytes: int, threads: int = 1,
+) -> list[EncodedItem]:
+    """Records of host tensors (whole items, no delta), in order: those of one dtype encoded
+    together (see the module doc). ``dtype_codes[i]``: tensor ``i``'s dtype code;
+    ``layout_of(dtype)``: its layout (a CPU codec's); ``threads``: threads a batching codec and
+    the checksums may use."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    out: list[EncodedItem | None] = [None] * len(tensors)
+    for dtype, members in by_dtype.items():
+        group = [tensors[i] for i in members]
+        records = _encode_group(group, dtype_codes[members[0]], layout_of(dtype), chunk_bytes, threads)
+        for i, record in zip(members, records):
+            out[i] = record
+    return out  # type: ignore[return-value]
+
+
+def _planes(tensors: list[torch.Tensor], n_planes: int, plane_bytes: np.ndarray) -> np.ndarray:
+    """The tensors' byte planes, back to back: ``(n_planes, plane_bytes.sum())`` uint8, tensor
+    ``i``'s bytes of plane ``p`` at ``[p, offset_i : offset_i + plane_bytes[i]]``. Split straight
+    from each tensor's memory by one native call; without the library, joined and then split."""
+    with torch.no_grad():
+        flats = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+        if any(t.is_conj() or t.is_neg() for t in flats):
+            flats = [t.resolve_conj().resolve_neg() for t in flats]
+    n_total = int(plane_bytes.sum())
+    planes = np.empty((n_planes, n_total), dtype=np.uint8)
+    fn = _native_split_many()
+    if fn is not None:
+        srcs = np.fromiter((t.data_ptr() for t in flats), dtype=np.int64, count=len(flats))
+        counts = np.ascontiguousarray(plane_bytes, dtype=np.int64)  # elements, or bytes when 1 plane
+        offsets = _exclusive_cumsum(counts)
+        fn(srcs.ctypes.data, counts.ctypes.data, len(flats), n_planes, planes.ctypes.data, offsets.ctypes.data, n_total)
+        return planes
+    joined = torch.cat([t.reshape(-1).view(torch.uint8) for t in flats]) if flats else torch.empty(0, dtype=torch.uint8)
+    return split_planes(joined.numpy(), n_planes, planes)
+
+
+def _encode_group(tensors: list[torch.Tensor], dtype_code: int, layout: Layout, cb: int, threads: int) -> list[EncodedItem]:
+    element_size = tensors[0].element_size()
+    n_planes = element_size if layout.transform == TRANSFORM_BYTEPLANES else 1
+    k = len(tensors)
+    raw = np.fromiter((t.numel() for t in tensors), dtype=np.int64, count=k) * element_size
+    plane_bytes = raw // n_planes  # each item's bytes in every plane
+    n_total = int(plane_bytes.sum())
+    planes = _planes(tensors, n_planes, plane_bytes)
+
+    # Blocks of each item, then its chunks (block-major: every plane of a block, in order).
+    n_blocks = -(-plane_bytes // cb)
+    block_item = np.repeat(np.arange(k), n_blocks)
+    block_index = np.arange(len(block_item)) - np.repeat(_exclusive_cumsum(n_blocks)[:-1], n_blocks)
+    block_start = _exclusive_cumsum(plane_bytes)[:-1][block_item] + block_index * cb
+    block_len = np.minimum(cb, plane_bytes[block_item] - block_index * cb)
+    chunk_plane = np.tile(np.arange(n_planes), len(block_item))
+    chunk_item = np.repeat(block_item, n_planes)
+    raw_len = np.repeat(block_len, n_planes)
+    src_off = chunk_plane * n_total + np.repeat(block_start, n_planes)  # in ``planes``, flat
+
+    # Compressed planes: a stream is kept where it is smaller than the raw chunk (as encode_item).
+    stored = raw_len.copy()
+    src_buffers = [planes.reshape(-1)]
+    src_of = np.zeros(len(stored), dtype=np.int64)
+    sparse = float_planes(KIND_TENSOR, dtype_code, layout.transform)
+    for p, codec in enumerate(plane_encoders(layout.plane_codecs, n_planes, sparse)):
+        chunks = np.flatnonzero(chunk_plane == p)
+        if codec is None or not len(chunks):
+            continue
+        streams = codec.encode_ranges(planes.reshape(-1), src_off[chunks], raw_len[chunks], threads)
+        lengths = np.fromiter(map(len, streams), dtype=np.int64, count=len(chunks))
+        joined = np.frombuffer(b"".join(streams), dtype=np.uint8)
+        pays = lengths < raw_len[chunks]
+        kept = chunks[pays]
+        stored[kept] = lengths[pays]
+        src_of[kept] = len(src_buffers)
+        src_off[kept] = _exclusive_cumsum(lengths)[:-1][pays]
+        src_buffers.append(joined)
+
+    # Record layout: header, then the item's chunks.
+    ndims = np.fromiter((t.dim() for t in tensors), dtype=np.int64, count=k)
+    n_chunks = n_blocks * n_planes
+    codecs_end = ITEM_FIXED_SIZE + 8 * ndims + n_planes + (-n_planes) % 4  # where the chunk table starts
+    header_bytes = codecs_end + _ENTRY_SIZE * n_chunks + _CRC_SIZE
+    stored_cum = _exclusive_cumsum(stored)
+    first_chunk = _exclusive_cumsum(n_chunks)
+    payload = stored_cum[first_chunk[1:]] - stored_cum[first_chunk[:-1]]
+    record_off = _exclusive_cumsum(header_bytes + payload)
+    out = np.empty(int(record_off[-1]), dtype=np.uint8)
+    start = record_off[:-1]
+    chunk_dst = (start + header_bytes - stored_cum[first_chunk[:-1]])[chunk_item] + stored_cum[:-1]
+    _copy_ranges(out, chunk_dst, src_buffers, src_of, src_off, stored)
+    del src_buffers
+
+    table = np.empty((len(stored), 2), dtype="<u4")
+    table[:, 0] = stored
+    table[:, 1] = checksum_ranges(out, chunk_dst, stored, threads)
+    entry_pos = (start + codecs_end)[chunk_item] + _ENTRY_SIZE * (np.arange(len(stored)) - first_chunk[:-1][chunk_item])
+    out[entry_pos[:, None] + np.arange(_ENTRY_SIZE)] = table.view(np.uint8).reshape(-1, _ENTRY_SIZE)
+
+    ids = layout_codec_ids(layout.plane_codecs)
+    assert len(ids) == n_planes, f"layout {layout} for {n_planes} planes"
+    shapes = [tuple(t.shape) for t in tensors]
+    view = out.data
+    for shape, at, size, nbytes in zip(shapes, start.tolist(), header_bytes.tolist(), raw.tolist()):
+        _fixed_struct(len(shape), n_planes).pack_into(
+            view, at, ITEM_MAGIC, FULL_ITEM_VERSION, KIND_TENSOR, dtype_code, layout.transform, n_planes,
+            len(shape), 0, cb, nbytes, size, *shape, *ids,
+        )
+    crc_at = start + header_bytes - _CRC_SIZE
+    header_crcs = checksum_ranges(out, start, header_bytes - _CRC_SIZE, threads)
+    out[crc_at[:, None] + np.arange(_CRC_SIZE)] = header_crcs.astype("<u4").view(np.uint8).reshape(-1, _CRC_SIZE)
+
+    records = []
+    for shape, at, size, end, c0, c1, nbytes, crc in zip(
+        shapes, start.tolist(), header_bytes.tolist(), record_off[1:].tolist(), first_chunk[:-1].tolist(),
+        first_chunk[1:].tolist(), raw.tolist(), header_crcs.tolist(),
+    ):
+        header = ItemHeader(
+            kind=KIND_TENSOR, dtype_code=dtype_code, shape=shape, raw_nbytes=nbytes, transform=layout.transform,
+            plane_codecs=ids, chunks=ChunkTable.of_array(table[c0:c1]), chunk_bytes=cb, header_bytes=size,
+            stored_crc=crc,
+        )
+        records.append(EncodedItem(header, bytes(view[at : at + size]), [view[at + size : end]], record=view[at:end]))
+    return records
+
+
+
+
+# -- loading: a batch of records parsed, checked and decoded in arrays ---------------------------
+#: The fixed fields of an item header (``nvdcp.format.header._ITEM_FIXED``) as a numpy record.
+_FIXED = np.dtype([
+    ("magic", "S4"), ("version", "<u2"), ("kind", "u1"), ("dtype", "u1"), ("transform", "u1"),
+    ("n_planes", "u1"), ("ndim", "u1"), ("flags", "u1"), ("chunk_bytes", "<u4"), ("raw", "<u8"),
+    ("header_bytes", "<u4"),
+])
+assert _FIXED.itemsize == ITEM_FIXED_SIZE
+
+
+@dataclass
+class ParsedRecords:
+    """Records of one buffer parsed together: each header, and every chunk of them all (in
+    record order): stored size, CRC32C, offset in the buffer, and the record it belongs to."""
+
+    headers: list[ItemHeader]
+    sizes: np.ndarray  # int64
+    crcs: np.ndarray  # uint32
+    starts: np.ndarray  # int64, in the buffer
+    first_chunk: np.ndarray  # record i's chunks are [first_chunk[i], first_chunk[i + 1])
+
+
+def _gather_fields(buf: np.ndarray, at: np.ndarray, width: int) -> np.ndarray:
+    """``(len(at), width)`` bytes of ``buf`` starting at each offset of ``at``."""
+    return buf[at[:, None] + np.arange(width)]
+
+
+def _ragged(starts: np.ndarray, counts: np.ndarray, width: int) -> np.ndarray:
+    """Offsets of ``counts[i]`` consecutive fields of ``width`` bytes from ``starts[i]``, for all i."""
+    local = np.arange(int(counts.sum())) - np.repeat(_exclusive_cumsum(counts)[:-1], counts)
+    return np.repeat(starts, counts) + width * local
+
+
+def parse_records(buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> ParsedRecords | None:
+    """Parse the item records ``buf[starts[i] : starts[i] + lengths[i]]`` together, with every
+    check :func:`~nvdcp.format.header.parse_item_header` makes (magic, version, field ranges, the
+    declared header size, the header CRC32C, the chunks against the record's length).
+
+    Returns None when any record is not a version 1 record passing them all: the caller parses
+    those records one by one, which names the problem (or handles the delta records)."""
+    k = len(starts)
+    if not k or int((starts + lengths).max()) > buf.size or int(lengths.min()) < ITEM_FIXED_SIZE:
+        return None
+    fixed = np.ascontiguousarray(_gather_fields(buf, starts, ITEM_FIXED_SIZE)).view(_FIXED).reshape(k)
+    kind, transform = fixed["kind"].astype(np.int64), fixed["transform"].astype(np.int64)
+    n_planes, ndim = fixed["n_planes"].astype(np.int64), fixed["ndim"].astype(np.int64)
+    cb, raw = fixed["chunk_bytes"].astype(np.int64), fixed["raw"]
+    if (
+        (fixed["magic"] != ITEM_MAGIC).any() or (fixed["version"] != FULL_ITEM_VERSION).any() or fixed["flags"].any()
+        or (kind > 1).any() or (transform > 1).any() or (n_planes < 1).any() or (n_planes > MAX_PLANES).any()
+        or (ndim > MAX_NDIM).any() or (cb < MIN_CHUNK_BYTES).any() or (cb > MAX_CHUNK_BYTES).any()
+        or (raw > (1 << 62)).any()
+    ):
+        return None
+    raw = raw.astype(np.int64)
+    if (raw % n_planes).any():
+        return None
+    blobs = kind == KIND_BYTES
+    if blobs.any() and ((n_planes[blobs] != 1) | (transform[blobs] != 0) | (ndim[blobs] != 0)
+                        | (fixed["dtype"][blobs] != 0)).any():
+        return None
+    n_chunks = n_planes * -(-(raw // n_planes) // cb)
+    table_at = ITEM_FIXED_SIZE + 8 * ndim + n_planes + (-n_planes) % 4
+    header_bytes = table_at + _ENTRY_SIZE * n_chunks + _CRC_SIZE
+    if (fixed["header_bytes"] != header_bytes).any() or (header_bytes > lengths).any():
+        return None
+    crc_at = starts + header_bytes - _CRC_SIZE
+    stored_crc = np.ascontiguousarray(_gather_fields(buf, crc_at, _CRC_SIZE)).view("<u4").reshape(k)
+    if (checksum_ranges(buf, starts, header_bytes - _CRC_SIZE, threads=1) != stored_crc).any():
+        return None
+    entries = np.ascontiguousarray(_gather_fields(buf, _ragged(starts + table_at, n_chunks, _ENTRY_SIZE), _ENTRY_SIZE))
+    table = entries.view("<u4").reshape(-1, 2)
+    sizes = table[:, 0].astype(np.int64)
+    first = _exclusive_cumsum(n_chunks)
+    size_cum = _exclusive_cumsum(sizes)
+    if ((size_cum[first[1:]] - size_cum[first[:-1]]) != lengths - header_bytes).any():
+        return None
+    chunk_item = np.repeat(np.arange(k), n_chunks)
+    chunk_starts = (starts + header_bytes - size_cum[first[:-1]])[chunk_item] + size_cum[:-1]
+    shape_values = np.ascontiguousarray(_gather_fields(buf, _ragged(starts + ITEM_FIXED_SIZE, ndim, 8), 8))
+    shapes = shape_values.view("<u8").reshape(-1).tolist()
+    codecs = buf[_ragged(starts + ITEM_FIXED_SIZE + 8 * ndim, n_planes, 1)].tolist()
+    headers = []
+    shape_at = codec_at = 0
+    for (kd, code, tf, ne, nd, c, r, h, crc, c0, c1) in zip(
+        kind.tolist(), fixed["dtype"].tolist(), transform.tolist(), n_planes.tolist(), ndim.tolist(), cb.tolist(),
+        raw.tolist(), header_bytes.tolist(), stored_crc.tolist(), first[:-1].tolist(), first[1:].tolist(),
+    ):
+        headers.append(ItemHeader(
+            kind=kd, dtype_code=code, shape=tuple(shapes[shape_at : shape_at + nd]), raw_nbytes=r, transform=tf,
+            plane_codecs=tuple(codecs[codec_at : codec_at + ne]), chunks=ChunkTable.of_array(table[c0:c1]),
+            chunk_bytes=c, header_bytes=h, stored_crc=crc,
+        ))
+        shape_at += nd
+        codec_at += ne
+    return ParsedRecords(headers, sizes, table[:, 1].astype(np.uint32), chunk_starts, first)
+
+
+@functools.cache
+def _native_merge_many() -> Callable[..., int] | None:
+    fn = load_function(_FORMAT_DIR, "_crc32c_batch", "nvdcp_merge_planes_many")
+    if fn is not None:
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+        fn.restype = ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+def decode_records(buf: np.ndarray, parsed: ParsedRecords, outs: Sequence[np.ndarray], threads: int = 1) -> None:
+    """Decode every record of ``parsed`` into ``outs[i]`` (its raw bytes, flat contiguous uint8 of
+    the record's size). The chunks' CRC32Cs must have been checked and the codecs be decodable
+    here (:func:`~nvdcp.pipeline.cpu.check_decodable`). Each codec decodes all its chunks in one
+    call (:meth:`~nvdcp.codecs.base.Codec.decode_ranges`); the planes of every block are then
+    interleaved into place by one native call per plane count.
+
+    Raises:
+        ValueError: a chunk does not decode to its size (the caller decodes the records one by
+            one to name it).
+    """
+    headers = parsed.headers
+    n_planes = np.fromiter((h.n_planes for h in headers), dtype=np.int64, count=len(headers))
+    plane_bytes = np.fromiter((h.raw_nbytes for h in headers), dtype=np.int64, count=len(headers)) // n_planes
+    cb = np.fromiter((h.chunk_bytes for h in headers), dtype=np.int64, count=len(headers))
+    counts = parsed.first_chunk[1:] - parsed.first_chunk[:-1]
+    chunk_item = np.repeat(np.arange(len(headers)), counts)
+    local = np.arange(len(chunk_item)) - parsed.first_chunk[:-1][chunk_item]
+    e = n_planes[chunk_item]
+    block, plane = local // e, local % e
+    block_raw = np.minimum(cb[chunk_item], plane_bytes[chunk_item] - block * cb[chunk_item])
+    if (parsed.sizes > block_raw).any():
+        raise ValueError("a chunk stores more bytes than it holds")
+    pointers = buf.ctypes.data + parsed.starts
+    keep: list[np.ndarray] = []
+    compressed = parsed.sizes != block_raw
+    if compressed.any():
+        ids = np.array([h.plane_codecs[p] for h, p in zip(
+            (headers[i] for i in chunk_item[compressed].tolist()), plane[compressed].tolist())], dtype=np.int64)
+        which = np.flatnonzero(compressed)
+        for cid in np.unique(ids).tolist():
+            sel = which[ids == cid]
+            decoded = plane_cpu_codecs((cid,))[0].decode_ranges(buf, parsed.starts[sel], parsed.sizes[sel], block_raw[sel], threads)
+            keep.append(decoded)
+            pointers[sel] = decoded.ctypes.data + _exclusive_cumsum(block_raw[sel])[:-1]
+    out_addr = np.fromiter((o.ctypes.data for o in outs), dtype=np.int64, count=len(outs))
+    firsts = local % e == 0  # the first chunk of every block
+    dsts = out_addr[chunk_item[firsts]] + block[firsts] * cb[chunk_item[firsts]] * e[firsts]
+    for width in np.unique(n_planes).tolist():
+        blocks = np.flatnonzero(firsts & (e == width))
+        if len(blocks):
+            _merge_blocks(pointers, blocks, block_raw[blocks], dsts[e[firsts] == width], width)
+
+
+def _merge_blocks(pointers: np.ndarray, first: np.ndarray, ns: np.ndarray, dsts: np.ndarray, width: int) -> None:
+    """Interleave the ``width`` planes of each block (plane pointers ``pointers[first[i] + p]``,
+    ``ns[i]`` bytes each) into ``ns[i]`` elements at address ``dsts[i]``."""
+    planes = np.ascontiguousarray(pointers[first[:, None] + np.arange(width)])
+    fn = _native_merge_many()
+    if fn is not None:
+        ns = np.ascontiguousarray(ns, dtype=np.int64)
+        fn(planes.ctypes.data, ns.ctypes.data, np.ascontiguousarray(dsts).ctypes.data, len(ns), width)
+        return
+    for row, n, dst in zip(planes.tolist(), ns.tolist(), dsts.tolist()):
+        views = [np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(p)) for p in row]
+        merge_planes(views, np.ctypeslib.as_array((ctypes.c_uint8 * (n * width)).from_address(dst)))
+
+
+__all__ = ["ParsedRecords", "decode_records", "encode_tensor_batch", "parse_records"]

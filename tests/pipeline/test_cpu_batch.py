@@ -1,0 +1,169 @@
+"""Small host tensors encoded as a batch: the records are byte for byte those of encode_item, and
+they decode back to the tensors."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+from nvdcp.codecs import cpu_codec
+from nvdcp.format.dtypes import dtype_code
+from nvdcp.format.header import DEFAULT_CHUNK_BYTES, KIND_TENSOR, parse_item_header
+from nvdcp.pipeline import cpu_batch
+from nvdcp.pipeline.cpu import decode_item, encode_item
+from nvdcp.pipeline.policy import choose_layout
+from nvdcp.pipeline.tensors import tensor_to_host_bytes
+
+
+def _mixed(seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = [
+        torch.randn(3, 7, generator=g),  # fewer bytes than a chunk
+        torch.randn(70_000, generator=g),  # two blocks, the second partial
+        torch.randn(64, 64, generator=g).to(torch.bfloat16),
+        torch.zeros(0, 5),  # no bytes at all
+        torch.tensor(3.5),  # 0-d
+        torch.randint(-1000, 1000, (513,), generator=g, dtype=torch.int64),
+        torch.randint(0, 255, (4099,), generator=g, dtype=torch.uint8),
+        torch.rand(17, generator=g) > 0.5,
+        torch.randn(40, 30, generator=g).t(),  # not contiguous
+        torch.full((1000,), 2.0),  # compresses well in every plane
+        torch.randn(8, 8, dtype=torch.complex64, generator=g).conj(),  # lazy conjugate
+        torch.randn(5, 3, generator=g, dtype=torch.float64),
+        torch.randn(2, 65536, generator=g).to(torch.float16),
+    ]
+    return out
+
+
+def _reference(t: torch.Tensor, codec: str, chunk_bytes: int) -> bytes:
+    enc = encode_item(
+        tensor_to_host_bytes(t), kind=KIND_TENSOR, dtype_code=dtype_code(t.dtype), shape=tuple(t.shape),
+        element_size=t.element_size(), layout=choose_layout(t.dtype, codec), pool=None, chunk_bytes=chunk_bytes,
+    )
+    return b"".join([enc.header_bytes, *[bytes(c) for c in enc.chunks]])
+
+
+@pytest.mark.parametrize("codec", ["zstd", "none", "gdeflate"])
+@pytest.mark.parametrize("chunk_bytes", [DEFAULT_CHUNK_BYTES, 4096])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_batch_records_equal_encode_item(codec: str, chunk_bytes: int, threads: int) -> None:
+    try:
+        cpu_codec(codec).check_available()
+    except Exception as exc:  # noqa: BLE001 - gdeflate's CPU library may be missing
+        pytest.skip(str(exc))
+    tensors = _mixed()
+    records = cpu_batch.encode_tensor_batch(
+        tensors, [dtype_code(t.dtype) for t in tensors], functools.partial(choose_layout, codec=codec),
+        chunk_bytes, threads,
+    )
+    assert len(records) == len(tensors)
+    for t, rec in zip(tensors, records):
+        expected = _reference(t, codec, chunk_bytes)
+        whole = bytes(rec.record)
+        assert whole == expected, f"{t.dtype} {tuple(t.shape)}"
+        assert rec.header_bytes + b"".join(bytes(c) for c in rec.chunks) == expected
+        assert rec.nbytes == len(expected)
+        parsed = parse_item_header(memoryview(expected), "x")
+        assert parsed == rec.header and parsed.stored_crc == rec.header.stored_crc
+        _, raw = decode_item(memoryview(expected), "x", None, t.element_size())
+        assert np.array_equal(raw, tensor_to_host_bytes(t))
+
+
+def test_batch_of_one_dtype_and_empty_batch_members() -> None:
+    tensors = [torch.zeros(0), torch.zeros(0, 3)]
+    records = cpu_batch.encode_tensor_batch(tensors, [dtype_code(torch.float32)] * 2,
+                                            functools.partial(choose_layout, codec="zstd"), DEFAULT_CHUNK_BYTES)
+    for t, rec in zip(tensors, records):
+        assert bytes(rec.record) == _reference(t, "zstd", DEFAULT_CHUNK_BYTES)
+        assert rec.header.raw_nbytes == 0 and len(rec.header.chunks) == 0
+
+
+def test_python_fallbacks_give_the_same_records(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the native library (gather, plane split, CRC), the same bytes."""
+    from nvdcp.format import crc
+    from nvdcp.pipeline import cpu
+
+    tensors = _mixed(1)
+    codes = [dtype_code(t.dtype) for t in tensors]
+    layout = functools.partial(choose_layout, codec="zstd")
+    native = [bytes(r.record) for r in cpu_batch.encode_tensor_batch(tensors, codes, layout, DEFAULT_CHUNK_BYTES)]
+    monkeypatch.setattr(cpu_batch, "_native_gather", lambda: None)
+    monkeypatch.setattr(cpu_batch, "_native_split_many", lambda: None)
+    monkeypatch.setattr(cpu, "_native_split", lambda: None)
+    monkeypatch.setattr(crc, "_native", lambda: None)
+    fallback = [bytes(r.record) for r in cpu_batch.encode_tensor_batch(tensors, codes, layout, DEFAULT_CHUNK_BYTES)]
+    assert fallback == native
+
+
+def _records(codec: str = "zstd", seed: int = 0) -> tuple[list[torch.Tensor], np.ndarray, np.ndarray, np.ndarray]:
+    """The mixed tensors' records back to back after a 7-byte lead (odd offsets)."""
+    tensors = _mixed(seed)
+    blobs = [_reference(t, codec, DEFAULT_CHUNK_BYTES) for t in tensors]
+    lengths = np.array([len(b) for b in blobs], dtype=np.int64)
+    starts = 7 + np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    buf = np.frombuffer(b"\x00" * 7 + b"".join(blobs), dtype=np.uint8).copy()
+    return tensors, buf, starts, lengths
+
+
+@pytest.mark.parametrize("codec", ["zstd", "none", "gdeflate"])
+def test_parsed_and_decoded_together_equal_one_by_one(codec: str) -> None:
+    try:
+        cpu_codec(codec).check_available()
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(str(exc))
+    tensors, buf, starts, lengths = _records(codec)
+    parsed = cpu_batch.parse_records(buf, starts, lengths)
+    assert parsed is not None
+    for i, (t, at, n) in enumerate(zip(tensors, starts.tolist(), lengths.tolist())):
+        one = parse_item_header(buf[at : at + n].data, "x")
+        assert parsed.headers[i] == one and parsed.headers[i].stored_crc == one.stored_crc
+        c0, c1 = parsed.first_chunk[i], parsed.first_chunk[i + 1]
+        assert parsed.sizes[c0:c1].tolist() == one.chunks.sizes.tolist()
+        assert parsed.crcs[c0:c1].tolist() == one.chunks.crcs.tolist()
+    outs = [np.full(h.raw_nbytes, 0xAB, dtype=np.uint8) for h in parsed.headers]
+    cpu_batch.decode_records(buf, parsed, outs)
+    for t, out in zip(tensors, outs):
+        assert np.array_equal(out, tensor_to_host_bytes(t)), f"{t.dtype} {tuple(t.shape)}"
+
+
+def test_decode_without_the_native_merge(monkeypatch: pytest.MonkeyPatch) -> None:
+    tensors, buf, starts, lengths = _records(seed=2)
+    parsed = cpu_batch.parse_records(buf, starts, lengths)
+    assert parsed is not None
+    monkeypatch.setattr(cpu_batch, "_native_merge_many", lambda: None)
+    outs = [np.empty(h.raw_nbytes, dtype=np.uint8) for h in parsed.headers]
+    cpu_batch.decode_records(buf, parsed, outs)
+    assert all(np.array_equal(o, tensor_to_host_bytes(t)) for t, o in zip(tensors, outs))
+
+
+def test_any_damaged_header_sends_the_batch_to_the_one_by_one_path() -> None:
+    """Every header byte matters: flipping any one of the first record's makes the batch parse
+    give up (the caller then parses one by one, which names the problem)."""
+    tensors, buf, starts, lengths = _records()
+    parsed = cpu_batch.parse_records(buf, starts, lengths)
+    assert parsed is not None
+    header_bytes = parsed.headers[1].header_bytes
+    for at in range(int(starts[1]), int(starts[1]) + header_bytes):
+        damaged = buf.copy()
+        damaged[at] ^= 0x10
+        assert cpu_batch.parse_records(damaged, starts, lengths) is None, at
+    # a record length that disagrees with its chunks; one that runs past the buffer
+    assert cpu_batch.parse_records(buf, starts, lengths + np.eye(len(lengths), dtype=np.int64)[3]) is None
+    assert cpu_batch.parse_records(buf[:-1], starts, lengths) is None
+
+
+def test_a_frame_that_decodes_to_another_size_is_a_value_error() -> None:
+    tensors, buf, starts, lengths = _records()
+    parsed = cpu_batch.parse_records(buf, starts, lengths)
+    assert parsed is not None
+    # chunk payload damage passes the header checks (the caller checks chunk CRCs first); the
+    # decoder refuses what no longer decodes to its chunk's size
+    j = int(parsed.first_chunk[9]) + 3  # torch.full((1000,), 2.0): its sign+exponent plane
+    assert parsed.sizes[j] < 1000  # compressed
+    damaged = buf.copy()
+    damaged[parsed.starts[j] + 4 : parsed.starts[j] + parsed.sizes[j]] = 0xFF
+    with pytest.raises(ValueError):
+        cpu_batch.decode_records(damaged, parsed, [np.empty(h.raw_nbytes, dtype=np.uint8) for h in parsed.headers])
