@@ -197,3 +197,29 @@ def test_small_item_encodes_match_one_at_a_time(monkeypatch: pytest.MonkeyPatch,
     a = nvdcp.NvcompReader(tmp_path / "batched").read_metadata().storage_data
     b = nvdcp.NvcompReader(tmp_path / "single").read_metadata().storage_data
     assert [(k.fqn, v.length) for k, v in a.items()] == [(k.fqn, v.length) for k, v in b.items()]
+
+
+def test_sound_batches_decode_together_and_damage_falls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sound checkpoint's CPU batches are decoded together (the one-by-one parser is never
+    called); a damaged batch goes one by one, which names the item."""
+    sd = _odd_state()
+    save(sd, tmp_path)
+    one_by_one = []
+    real = reader_module.NvcompReader._parse_in_batch
+
+    def spy(self: Any, item: Any, *args: Any) -> Any:
+        one_by_one.append(item.index.fqn)
+        return real(self, item, *args)
+
+    monkeypatch.setattr(reader_module.NvcompReader, "_parse_in_batch", spy)
+    back = _fresh(sd)
+    load(back, tmp_path)
+    _check(sd, back)
+    assert one_by_one == []
+    f, off, length = item_span(tmp_path, "small.5")
+    data = bytearray(f.read_bytes())
+    data[off + length - 3] ^= 0x20
+    f.write_bytes(data)
+    err = _load_error(tmp_path, sd)
+    assert isinstance(err, nvdcp.CorruptCheckpointError) and repr("small.5") in str(err)
+    assert "small.5" in one_by_one
