@@ -202,6 +202,7 @@ def test_small_item_encodes_match_one_at_a_time(monkeypatch: pytest.MonkeyPatch,
 def test_sound_batches_decode_together_and_damage_falls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A sound checkpoint's CPU batches are decoded together (the one-by-one parser is never
     called); a damaged batch goes one by one, which names the item."""
+    monkeypatch.setattr(reader_module, "gpu_available", lambda: False)  # the CPU path, GPU or not
     sd = _odd_state()
     save(sd, tmp_path)
     one_by_one = []
