@@ -1,7 +1,7 @@
 """nvdcp's own host cost on the CPU path against stock DCP, in one run (issue 18, parts 2 and 3).
 
     python -m benchmarks.cpu_pipeline_bench [--repeats 3] [--cases small,large,demo] [--dir /tmp/nvdcp-cpu-pipeline]
-    python -m benchmarks.cpu_pipeline_bench --profile small-load   # cProfile of one nvdcp op
+    python -m benchmarks.cpu_pipeline_bench --profile small-load   # stack samples of one nvdcp op
     python -m benchmarks.cpu_pipeline_bench --device cuda --cases small --dir /dev/shm/x   # GPU tensors
 
 Cases (local disk, warm page cache; default arguments for both writers and readers):
@@ -25,11 +25,9 @@ writes ``benchmarks/results/cpu_pipeline_bench_<date>.json``.
 from __future__ import annotations
 
 import argparse
-import cProfile
 import functools
 import gc
 import os
-import pstats
 import statistics
 import threading
 import time
@@ -44,6 +42,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 import nvdcp
 from benchmarks.common import dir_bytes, fresh_dir, machine, markdown_table, write_results
 from benchmarks.workload import states_equal, tensor_bytes, zeros_like_state
+from nvdcp.gpu.config import GpuConfig
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -169,8 +168,14 @@ def _writer(kind: str, path: str) -> Any:
     return FileSystemWriter(path) if kind == "stock" else nvdcp.NvcompWriter(path)
 
 
+#: Where NvcompReader decodes items bound for host memory on a GPU machine (``--decode-device``).
+DECODE_DEVICE = "auto"
+
+
 def _reader(kind: str, path: str) -> Any:
-    return FileSystemReader(path) if kind == "stock" else nvdcp.NvcompReader(path)
+    if kind == "stock":
+        return FileSystemReader(path)
+    return nvdcp.NvcompReader(path, gpu=GpuConfig(decode_device=DECODE_DEVICE))
 
 
 def save_once(kind: str, state: dict[str, Any], path: str) -> dict[str, float]:
@@ -305,23 +310,31 @@ def _leaves(obj: Any) -> Any:
         yield obj
 
 
-def profile(what: str, root: str) -> None:
-    """cProfile one nvdcp save or load (``small-load``, ``large-save``...), top 40 by cumulative time."""
+def profile(what: str, root: str, device: str, out: str | None) -> None:
+    """One nvdcp save or load (``small-load``, ``large-save``...) after an unprofiled one, under
+    the stack sampler (every thread, so codec and I/O threads show): prints each thread group's
+    top lines and records them in ``cpu_pipeline_profile_<date>_<what>[_<device>].json``."""
+    from benchmarks.gpu_pipeline_bench import StackSampler
+
     case, op = what.split("-")
-    state = WORKLOADS[case]()
+    state = _to_device(WORKLOADS[case](), device)
     path = os.path.join(root, f"{case}_nvdcp")
     save_once("nvdcp", state, path)
     target = zeros_like_state(state)
     load_once("nvdcp", target, path)
-    prof = cProfile.Profile()
-    prof.enable()
-    if op == "save":
-        save_once("nvdcp", state, path)
-    else:
-        load_once("nvdcp", target, path)
-    prof.disable()
-    pstats.Stats(prof).sort_stats("cumulative").print_stats(40)
-    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    with StackSampler() as sampler:
+        result = save_once("nvdcp", state, path) if op == "save" else load_once("nvdcp", target, path)
+    summary = sampler.summary()
+    print(f"{what} on {device}: {result['wall_s']:.3f} s (own {result['own_s']:.3f} s)")
+    for group, entry in summary["by_thread"].items():
+        print(f"\n[{group}] {entry['samples']} samples")
+        for where, _n, share in entry["self"][:15]:
+            print(f"  {share:6.1%}  {where}")
+    target_file = write_results("cpu_pipeline_profile", {
+        "machine_note": f"{os.cpu_count()} cores, torch {torch.__version__}, tensors on {device}",
+        "what": what, "device": device, "decode_device": DECODE_DEVICE, "result": result, "profile": summary,
+    }, out, suffix=f"_{what}" + ("" if device == "cpu" else f"_{device}"))
+    print(f"\n-> {target_file}")
 
 
 def main() -> None:
@@ -330,15 +343,19 @@ def main() -> None:
     ap.add_argument("--cases", default="small,large,demo")
     ap.add_argument("--dir", default="/tmp/nvdcp-cpu-pipeline")
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
-    ap.add_argument("--profile", default=None, help="cProfile one nvdcp op instead: CASE-save or CASE-load")
+    ap.add_argument("--profile", default=None, help="stack-sample one nvdcp op instead: CASE-save or CASE-load")
+    ap.add_argument("--decode-device", default="auto", choices=["auto", "cuda", "cpu"],
+                    help="NvcompReader's GpuConfig(decode_device=...) on a GPU machine")
     ap.add_argument("--device", default="cpu", help="where the state's tensors live (cpu, or cuda: GPU tensors)")
     ap.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rss_child:
         _rss_child(args.rss_child)
         return
+    global DECODE_DEVICE
+    DECODE_DEVICE = args.decode_device
     if args.profile:
-        profile(args.profile, args.dir)
+        profile(args.profile, args.dir, args.device, args.out)
         return
     rows: list[dict[str, Any]] = []
     columns = ["case", "op", "writer", "items", "median_s", "vs_stock", "min_vs_stock", "own_s", "own_us_per_item",
@@ -355,7 +372,8 @@ def main() -> None:
         "machine_note": f"{os.cpu_count()} cores, torch {torch.__version__}, tensors on {args.device}, storage at "
                         f"{args.dir}, page cache warm; load average at the end {load}",
         "settings": vars(args), "targets": TARGETS, "rows": rows,
-    }, args.out, suffix="" if args.device == "cpu" else f"_{args.device}")
+    }, args.out, suffix=("" if args.device == "cpu" else f"_{args.device}")
+       + ("" if args.decode_device == "auto" else f"_decode_{args.decode_device}"))
     print(f"\n-> {target}  (machine: {machine()})")
 
 
