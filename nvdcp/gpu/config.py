@@ -35,7 +35,9 @@ class GpuConfig:
             the entropy-only mode, which measured both the best ratio and the highest speed on
             sign+exponent planes (benchmarks/results/gpu_probe_*.json).
         decode_device: where to decompress items whose destination is host memory on a GPU
-            machine: ``"auto"`` (the GPU, measured faster for every codec here), ``"cuda"`` or ``"cpu"``.
+            machine: ``"auto"`` (the GPU, except records of at most 4 MiB stored with a CPU codec,
+            zstd or none, which the CPU decodes faster in batches: see
+            ``nvdcp.dcp.reader.HOST_DECODE_RECORD_BYTES``), ``"cuda"`` or ``"cpu"``.
     """
 
     gpu_memory_bytes: int | None = None

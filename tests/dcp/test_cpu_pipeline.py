@@ -224,3 +224,17 @@ def test_sound_batches_decode_together_and_damage_falls_back(tmp_path: Path, mon
     err = _load_error(tmp_path, sd)
     assert isinstance(err, nvdcp.CorruptCheckpointError) and repr("small.5") in str(err)
     assert "small.5" in one_by_one
+
+
+def test_which_host_bound_records_auto_decodes_on_the_cpu() -> None:
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    from nvdcp.dcp import descriptor
+
+    small, limit = 1000, reader_module.HOST_DECODE_RECORD_BYTES
+    for codec, length, expected in [("zstd", small, True), ("none", limit, True), ("zstd", limit + 1, False),
+                                    ("gdeflate", small, False), ("ans", small, False)]:
+        info = _StorageInfo("f", 0, length, descriptor.descriptors(codec))
+        assert reader_module._host_decodes_faster(info) is expected, (codec, length)
+    delta = _StorageInfo("f", 0, small, descriptor.descriptors("zstd", 2))
+    assert reader_module._host_decodes_faster(delta) is False  # deltas: rebuilt on their own path

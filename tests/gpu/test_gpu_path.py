@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -149,3 +150,29 @@ def test_any_chunk_size_round_trips_on_gpu(tmp_path: Path, chunk_bytes: int) -> 
         dcp.load(out, storage_reader=nvdcp.NvcompReader(tmp_path, gpu=GpuConfig(decode_device=device)))
         for k in sd:
             assert bit_equal(out[k].cpu(), sd[k].cpu()), (k, device)
+
+
+def test_auto_decodes_small_cpu_codec_records_for_host_tensors_on_the_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """decode_device="auto": host-bound records of a CPU codec up to 4 MiB decode on the CPU
+    (batched there); GDeflate records (GPU-written) go through the GPU. Bit-exact either way."""
+    from nvdcp.dcp import reader as reader_module
+
+    host = {f"p{i}": weights_like((500 + i,), seed=i) for i in range(30)}
+    dcp.save(host, storage_writer=nvdcp.NvcompWriter(tmp_path / "zstd"))  # CPU tensors: zstd
+    dcp.save(_state(CUDA), storage_writer=nvdcp.NvcompWriter(tmp_path / "gdeflate"))
+    batches: list[int] = []
+    real = reader_module.NvcompReader._load_gpu_batch
+
+    def spy(self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        batches.append(len(batch))
+        return real(self, batch, *args, **kwargs)
+
+    monkeypatch.setattr(reader_module.NvcompReader, "_load_gpu_batch", spy)
+    out = _zeros_like(host, torch.device("cpu"))
+    dcp.load(out, storage_reader=nvdcp.NvcompReader(tmp_path / "zstd"))
+    assert batches == [] and all(bit_equal(out[k], host[k]) for k in host)
+    gpu_written = _zeros_like(_state(CUDA), torch.device("cpu"))
+    dcp.load(gpu_written, storage_reader=nvdcp.NvcompReader(tmp_path / "gdeflate"))
+    assert sum(batches) > 0

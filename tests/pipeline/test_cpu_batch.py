@@ -117,7 +117,7 @@ def test_parsed_and_decoded_together_equal_one_by_one(codec: str) -> None:
     tensors, buf, starts, lengths = _records(codec)
     parsed = cpu_batch.parse_records(buf, starts, lengths)
     assert parsed is not None
-    for i, (t, at, n) in enumerate(zip(tensors, starts.tolist(), lengths.tolist())):
+    for i, (at, n) in enumerate(zip(starts.tolist(), lengths.tolist())):
         one = parse_item_header(buf[at : at + n].data, "x")
         assert parsed.headers[i] == one and parsed.headers[i].stored_crc == one.stored_crc
         c0, c1 = parsed.first_chunk[i], parsed.first_chunk[i + 1]
