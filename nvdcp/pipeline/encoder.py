@@ -360,14 +360,13 @@ class ItemEncoder:
 #: Items under this many bytes are encoded in batches (see encode_items); larger ones split their
 #: own blocks over the codec pool.
 SMALL_ITEM_BYTES = 4 << 20
-#: Small items' batches an encoder runs at once (writers of one setting share an encoder). A
-#: small item's encode is mostly Python (its codec and CRC calls take microseconds), so threads
-#: encoding at once mostly wait for each other's GIL. 20,000 small tensors, write_data of a save
-#: (``python -m benchmarks.small_item_threads``): on the 2-core CPU machine 3.9-4.7 s with one
-#: thread, 6.2-6.5 s with two; on the H200 host's 16 cores 3.47 s with one, 4.04 / 5.69 / 6.04 /
-#: 7.89 s with 2 / 4 / 8 / 16 (benchmarks/results/small_item_threads_2026-12-01_{cpu,h200host}.json).
-#: The caller's thread writes the records of the batches before meanwhile.
-SMALL_ITEM_THREADS = 1
+#: Small items' batches an encoder runs at once (writers of one setting share an encoder). Until
+#: small items were encoded in arrays (nvdcp/pipeline/cpu_batch.py) a batch was mostly Python and
+#: one at a time was fastest (two threads: 6.2-6.5 s of write_data against 3.9-4.7 s for 20,000
+#: small tensors, benchmarks/results/small_item_threads_2026-12-01_cpu.json). A batch now spends
+#: most of its time in native calls without the GIL: the same state's write_data took a median
+#: 2.60 s with two against 2.94 s with one (4 alternating saves each, CPU machine, 2 cores).
+SMALL_ITEM_THREADS = 2
 
 
 #: A batch of small items: one pool task of about this many bytes, or this many items.
