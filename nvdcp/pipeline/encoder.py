@@ -362,10 +362,11 @@ class ItemEncoder:
 SMALL_ITEM_BYTES = 4 << 20
 #: Small items' batches an encoder runs at once (writers of one setting share an encoder). Until
 #: small items were encoded in arrays (nvdcp/pipeline/cpu_batch.py) a batch was mostly Python and
-#: one at a time was fastest (two threads: 6.2-6.5 s of write_data against 3.9-4.7 s for 20,000
-#: small tensors, benchmarks/results/small_item_threads_2026-12-01_cpu.json). A batch now spends
-#: most of its time in native calls without the GIL: the same state's write_data took a median
-#: 2.60 s with two against 2.94 s with one (4 alternating saves each, CPU machine, 2 cores).
+#: one at a time was fastest (small_item_threads_2026-12-01_{cpu,h200host}.json). A batch now spends
+#: most of its time in native calls without the GIL. ``python -m benchmarks.small_item_threads``,
+#: 20,000 small tensors, median write_data: CPU machine (2 cores) 2.51 s with two, 2.78 s with one;
+#: H200 host (16 cores) 1.73 s with two, 2.03 / 1.84 / 2.17 s with 1 / 4 / 8
+#: (benchmarks/results/small_item_threads_2026-12-01_{cpu,h200host}_session7.json).
 SMALL_ITEM_THREADS = 2
 
 
