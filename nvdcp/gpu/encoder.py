@@ -145,19 +145,20 @@ SMALL_SPLIT_BYTES = 16 << 20
 
 
 def split_small_tensors(sources: list[torch.Tensor], first_slots: list[int], p: int, m: int,
-                        slots: torch.Tensor) -> None:
-    """Write tensors of one block each into their slots: ``sources[i]`` (flat uint8, ``m * p``
-    bytes: ``m`` elements of ``p`` bytes, or ``m`` bytes with ``p = 1``) puts byte ``j`` of
-    every element into the first ``m`` bytes of row ``first_slots[i] + j`` of ``slots`` (a
-    ``(rows, chunk_bytes)`` uint8 tensor). What the per-segment copies of a one-block segment
-    write, with one concatenation, one transposed copy and one indexed write per group of
+                        slots: torch.Tensor, blocks: int = 1) -> None:
+    """Write tensors of ``blocks`` whole blocks each into their slots: ``sources[i]`` (flat
+    uint8, ``blocks * m * p`` bytes: elements of ``p`` bytes, or bytes with ``p = 1``) puts byte
+    ``j`` of every element of its block ``b`` (``m`` elements each) into the first ``m`` bytes of
+    row ``first_slots[i] + b * p + j`` of ``slots`` (a ``(rows, chunk_bytes)`` uint8 tensor).
+    What the per-segment copies of a segment holding the whole tensor write, with one
+    concatenation, one transposed copy and one indexed write per group of
     ``SMALL_SPLIT_BYTES``, on the current stream."""
-    per = max(1, SMALL_SPLIT_BYTES // (m * p))
-    lanes = np.arange(p, dtype=np.int64)
+    per = max(1, SMALL_SPLIT_BYTES // (blocks * m * p))
+    lanes = np.arange(blocks * p, dtype=np.int64)
     for lo in range(0, len(sources), per):
         group = sources[lo : lo + per]
         k = len(group)
-        planes = torch.cat(group).view(k, m, p).permute(0, 2, 1).reshape(k * p, m)
+        planes = torch.cat(group).view(k, blocks, m, p).permute(0, 1, 3, 2).reshape(k * blocks * p, m)
         rows = (np.asarray(first_slots[lo : lo + per], dtype=np.int64)[:, None] + lanes).reshape(-1)
         # non_blocking: pageable memory is staged at once, without waiting for the stream's work
         slots[torch.from_numpy(rows).to(slots.device, non_blocking=True), :m] = planes
@@ -390,16 +391,20 @@ class GpuEncoder:
     def _split_planes(self, jobs: list[GpuJob], bucket: _Bucket, slots: torch.Tensor) -> None:
         """Copy each segment's blocks into its slots, one plane per slot (reads the tensors).
 
-        Small tensors (one block, nothing to difference or keep) go in groups of one shape
-        (:func:`split_small_tensors`): a few copies per group instead of two or three torch calls
-        per tensor, which took most of the encode thread's time for 20,000 small tensors."""
+        Tensors of one block or of whole blocks, held by one segment, with nothing to difference
+        or keep, go in groups of one shape (:func:`split_small_tensors`): a few copies per group
+        instead of two or three torch calls per tensor, which took most of the encode thread's
+        time for 20,000 small tensors (for those of several blocks still 56% of its stack samples,
+        cpu_pipeline_profile_2026-12-01_h200_session7_small-save_cuda.json)."""
         c = self.chunk_bytes
-        small: dict[tuple[int, int], tuple[list[torch.Tensor], list[int]]] = {}
+        small: dict[tuple[int, int, int], tuple[list[torch.Tensor], list[int]]] = {}
         for seg in bucket.segments:
             job = jobs[seg.job]
             p, m = job.n_planes, job.elements
-            if seg.first_block == 0 and 0 < m <= c and job.delta is None and job.keep is None:
-                sources, first_slots = small.setdefault((p, m), ([], []))
+            whole = seg.first_block == 0 and seg.n_blocks * c >= m  # the segment holds all of it
+            if whole and 0 < m and (m <= c or m % c == 0) and job.delta is None and job.keep is None:
+                # one block, or whole blocks only (no tail): grouped with tensors of its shape
+                sources, first_slots = small.setdefault((p, min(m, c), max(1, m // c)), ([], []))
                 sources.append(job.data)
                 first_slots.append(seg.first_slot)
                 continue
@@ -426,8 +431,8 @@ class GpuEncoder:
                     region[:full].copy_(src[: full * c].view(full, c))
                 if tail:
                     region[full, :tail].copy_(src[full * c :])
-        for (p, m), (sources, first_slots) in small.items():
-            split_small_tensors(sources, first_slots, p, m, slots)
+        for (p, m, blocks), (sources, first_slots) in small.items():
+            split_small_tensors(sources, first_slots, p, m, slots, blocks)
 
     def _launch(self, jobs: list[GpuJob], bucket: _Bucket, parity: int) -> _Launched:
         import nvidia.nvcomp as nv  # here, not at import: the packing helpers above run without it

@@ -211,3 +211,29 @@ def test_small_tensors_split_in_groups_as_one_segment_at_a_time(
         _reference_split(source, first, p, m, want)
     assert torch.equal(got, want)
     assert not torch.equal(got, fill)
+
+
+def _reference_split_blocks(source: torch.Tensor, first_slot: int, p: int, c: int, full: int, slots: torch.Tensor) -> None:
+    """The per-segment copy of a segment of ``full`` whole blocks (GpuEncoder._split_planes)."""
+    slots[first_slot : first_slot + full * p].view(full, p, c).copy_(source.view(full, c, p).permute(0, 2, 1))
+
+
+@pytest.mark.parametrize(("p", "full"), [(4, 2), (2, 4), (1, 3), (8, 2)])
+@pytest.mark.parametrize("group_bytes", [1 << 22, 3 * 4096])
+def test_tensors_of_whole_blocks_split_in_groups_as_one_segment_at_a_time(
+    p: int, full: int, group_bytes: int, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(encoder_module, "SMALL_SPLIT_BYTES", group_bytes)
+    chunk = 1024
+    rng = np.random.default_rng(p * 31 + full)
+    k = 7
+    sources = [torch.from_numpy(rng.integers(0, 256, size=full * chunk * p, dtype=np.uint8)) for _ in range(k)]
+    order = rng.permutation(k)
+    first_slots = [int(i) * (full * p + 1) for i in order]  # other order, with gaps
+    fill = torch.from_numpy(rng.integers(0, 256, size=(k * (full * p + 1) + 2, chunk), dtype=np.uint8))
+    got, want = fill.clone(), fill.clone()
+    encoder_module.split_small_tensors(sources, first_slots, p, chunk, got, blocks=full)
+    for source, first in zip(sources, first_slots):
+        _reference_split_blocks(source, first, p, chunk, full, want)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, fill)
