@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from nvdcp._native import load_function
+from nvdcp.codecs.base import Codec
 from nvdcp.format.crc import checksum_ranges
 from nvdcp.format.header import (
     FULL_ITEM_VERSION,
@@ -144,77 +145,96 @@ def _planes(tensors: list[torch.Tensor], n_planes: int, plane_bytes: np.ndarray)
     return split_planes(joined.numpy(), n_planes, planes)
 
 
-def _encode_group(tensors: list[torch.Tensor], dtype_code: int, layout: Layout, cb: int, threads: int) -> list[EncodedItem]:
-    element_size = tensors[0].element_size()
-    n_planes = element_size if layout.transform == TRANSFORM_BYTEPLANES else 1
-    k = len(tensors)
-    raw = np.fromiter((t.numel() for t in tensors), dtype=np.int64, count=k) * element_size
-    plane_bytes = raw // n_planes  # each item's bytes in every plane
-    n_total = int(plane_bytes.sum())
-    planes = _planes(tensors, n_planes, plane_bytes)
+@dataclass
+class _Chunks:
+    """Every chunk of a group, in record order (item-major, then block-major, then plane): its
+    item, plane, raw length, and where its stored bytes are (``src_of``: which of ``sources``,
+    ``src_off``: the offset there; the planes first, then each codec's output)."""
 
-    # Blocks of each item, then its chunks (block-major: every plane of a block, in order).
+    item: np.ndarray
+    plane: np.ndarray
+    raw_len: np.ndarray
+    stored: np.ndarray
+    sources: list[np.ndarray]
+    src_of: np.ndarray
+    src_off: np.ndarray
+
+
+def _chunk_plan(planes: np.ndarray, plane_bytes: np.ndarray, cb: int) -> _Chunks:
+    """The chunks of items with ``plane_bytes[i]`` bytes per plane, back to back in ``planes``
+    (``(n_planes, n)``), all stored raw until compressed (:func:`_compress`)."""
+    n_planes, n_total = planes.shape
     n_blocks = -(-plane_bytes // cb)
-    block_item = np.repeat(np.arange(k), n_blocks)
+    block_item = np.repeat(np.arange(len(plane_bytes)), n_blocks)
     block_index = np.arange(len(block_item)) - np.repeat(_exclusive_cumsum(n_blocks)[:-1], n_blocks)
     block_start = _exclusive_cumsum(plane_bytes)[:-1][block_item] + block_index * cb
     block_len = np.minimum(cb, plane_bytes[block_item] - block_index * cb)
-    chunk_plane = np.tile(np.arange(n_planes), len(block_item))
-    chunk_item = np.repeat(block_item, n_planes)
+    plane = np.tile(np.arange(n_planes), len(block_item))
     raw_len = np.repeat(block_len, n_planes)
-    src_off = chunk_plane * n_total + np.repeat(block_start, n_planes)  # in ``planes``, flat
+    return _Chunks(
+        item=np.repeat(block_item, n_planes), plane=plane, raw_len=raw_len, stored=raw_len.copy(),
+        sources=[planes.reshape(-1)], src_of=np.zeros(len(raw_len), dtype=np.int64),
+        src_off=plane * n_total + np.repeat(block_start, n_planes),
+    )
 
-    # Compressed planes: a stream is kept where it is smaller than the raw chunk (as encode_item).
-    stored = raw_len.copy()
-    src_buffers = [planes.reshape(-1)]
-    src_of = np.zeros(len(stored), dtype=np.int64)
-    sparse = float_planes(KIND_TENSOR, dtype_code, layout.transform)
-    for p, codec in enumerate(plane_encoders(layout.plane_codecs, n_planes, sparse)):
-        chunks = np.flatnonzero(chunk_plane == p)
-        if codec is None or not len(chunks):
+
+def _compress(chunks: _Chunks, codecs: list[Codec | None], threads: int) -> None:
+    """Compress each plane's chunks with its codec in one call; a stream is kept where it is
+    smaller than the raw chunk (as :func:`~nvdcp.pipeline.cpu.encode_item` does)."""
+    flat = chunks.sources[0]
+    for p, codec in enumerate(codecs):
+        which = np.flatnonzero(chunks.plane == p)
+        if codec is None or not len(which):
             continue
-        streams = codec.encode_ranges(planes.reshape(-1), src_off[chunks], raw_len[chunks], threads)
-        lengths = np.fromiter(map(len, streams), dtype=np.int64, count=len(chunks))
-        joined = np.frombuffer(b"".join(streams), dtype=np.uint8)
-        pays = lengths < raw_len[chunks]
-        kept = chunks[pays]
-        stored[kept] = lengths[pays]
-        src_of[kept] = len(src_buffers)
-        src_off[kept] = _exclusive_cumsum(lengths)[:-1][pays]
-        src_buffers.append(joined)
+        streams = codec.encode_ranges(flat, chunks.src_off[which], chunks.raw_len[which], threads)
+        lengths = np.fromiter(map(len, streams), dtype=np.int64, count=len(which))
+        pays = lengths < chunks.raw_len[which]
+        kept = which[pays]
+        chunks.stored[kept] = lengths[pays]
+        chunks.src_of[kept] = len(chunks.sources)
+        chunks.src_off[kept] = _exclusive_cumsum(lengths)[:-1][pays]
+        chunks.sources.append(np.frombuffer(b"".join(streams), dtype=np.uint8))
 
-    # Record layout: header, then the item's chunks.
-    ndims = np.fromiter((t.dim() for t in tensors), dtype=np.int64, count=k)
-    n_chunks = n_blocks * n_planes
-    codecs_end = ITEM_FIXED_SIZE + 8 * ndims + n_planes + (-n_planes) % 4  # where the chunk table starts
-    header_bytes = codecs_end + _ENTRY_SIZE * n_chunks + _CRC_SIZE
-    stored_cum = _exclusive_cumsum(stored)
-    first_chunk = _exclusive_cumsum(n_chunks)
-    payload = stored_cum[first_chunk[1:]] - stored_cum[first_chunk[:-1]]
-    record_off = _exclusive_cumsum(header_bytes + payload)
-    out = np.empty(int(record_off[-1]), dtype=np.uint8)
-    start = record_off[:-1]
-    chunk_dst = (start + header_bytes - stored_cum[first_chunk[:-1]])[chunk_item] + stored_cum[:-1]
-    _copy_ranges(out, chunk_dst, src_buffers, src_of, src_off, stored)
-    del src_buffers
 
-    table = np.empty((len(stored), 2), dtype="<u4")
-    table[:, 0] = stored
-    table[:, 1] = checksum_ranges(out, chunk_dst, stored, threads)
-    entry_pos = (start + codecs_end)[chunk_item] + _ENTRY_SIZE * (np.arange(len(stored)) - first_chunk[:-1][chunk_item])
-    out[entry_pos[:, None] + np.arange(_ENTRY_SIZE)] = table.view(np.uint8).reshape(-1, _ENTRY_SIZE)
-
+def _encode_group(tensors: list[torch.Tensor], dtype_code: int, layout: Layout, cb: int, threads: int) -> list[EncodedItem]:
+    element_size = tensors[0].element_size()
+    n_planes = element_size if layout.transform == TRANSFORM_BYTEPLANES else 1
     ids = layout_codec_ids(layout.plane_codecs)
     assert len(ids) == n_planes, f"layout {layout} for {n_planes} planes"
+    k = len(tensors)
+    raw = np.fromiter((t.numel() for t in tensors), dtype=np.int64, count=k) * element_size
+    plane_bytes = raw // n_planes  # each item's bytes in every plane
+    chunks = _chunk_plan(_planes(tensors, n_planes, plane_bytes), plane_bytes, cb)
+    sparse = float_planes(KIND_TENSOR, dtype_code, layout.transform)
+    _compress(chunks, plane_encoders(layout.plane_codecs, n_planes, sparse), threads)
+
+    # Record layout: header (its chunk table at ``table_at``), then the item's chunks.
     shapes = [tuple(t.shape) for t in tensors]
+    ndims = np.fromiter(map(len, shapes), dtype=np.int64, count=k)
+    n_chunks = np.bincount(chunks.item, minlength=k)
+    table_at = ITEM_FIXED_SIZE + 8 * ndims + n_planes + (-n_planes) % 4
+    header_bytes = table_at + _ENTRY_SIZE * n_chunks + _CRC_SIZE
+    stored_cum = _exclusive_cumsum(chunks.stored)
+    first_chunk = _exclusive_cumsum(n_chunks)
+    record_off = _exclusive_cumsum(header_bytes + stored_cum[first_chunk[1:]] - stored_cum[first_chunk[:-1]])
+    start = record_off[:-1]
+    out = np.empty(int(record_off[-1]), dtype=np.uint8)
+    chunk_dst = (start + header_bytes - stored_cum[first_chunk[:-1]])[chunks.item] + stored_cum[:-1]
+    _copy_ranges(out, chunk_dst, chunks.sources, chunks.src_of, chunks.src_off, chunks.stored)
+
+    table = np.empty((len(chunks.stored), 2), dtype="<u4")
+    table[:, 0] = chunks.stored
+    table[:, 1] = checksum_ranges(out, chunk_dst, chunks.stored, threads)
+    entry_pos = (start + table_at - _ENTRY_SIZE * first_chunk[:-1])[chunks.item] + _ENTRY_SIZE * np.arange(len(table))
+    out[entry_pos[:, None] + np.arange(_ENTRY_SIZE)] = table.view(np.uint8).reshape(-1, _ENTRY_SIZE)
     view = out.data
     for shape, at, size, nbytes in zip(shapes, start.tolist(), header_bytes.tolist(), raw.tolist()):
         _fixed_struct(len(shape), n_planes).pack_into(
             view, at, ITEM_MAGIC, FULL_ITEM_VERSION, KIND_TENSOR, dtype_code, layout.transform, n_planes,
             len(shape), 0, cb, nbytes, size, *shape, *ids,
         )
-    crc_at = start + header_bytes - _CRC_SIZE
     header_crcs = checksum_ranges(out, start, header_bytes - _CRC_SIZE, threads)
+    crc_at = start + header_bytes - _CRC_SIZE
     out[crc_at[:, None] + np.arange(_CRC_SIZE)] = header_crcs.astype("<u4").view(np.uint8).reshape(-1, _CRC_SIZE)
 
     records = []
@@ -229,8 +249,6 @@ def _encode_group(tensors: list[torch.Tensor], dtype_code: int, layout: Layout, 
         )
         records.append(EncodedItem(header, bytes(view[at : at + size]), [view[at + size : end]], record=view[at:end]))
     return records
-
-
 
 
 # -- loading: a batch of records parsed, checked and decoded in arrays ---------------------------
