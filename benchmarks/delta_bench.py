@@ -118,6 +118,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                         "steps earlier) and a full save and load of the same state, each under a stack "
                         "sampler, with each one's phase times (JSON: profiles)")
     p.add_argument("--profile-gap", type=int, default=10, help="steps between the two states --profile uses")
+    p.add_argument("--cuda-trace", action="store_true",
+                   help="with --profile on CUDA: the delta and full saves once more under torch.profiler, "
+                        "summed per stream, copy direction and kernel (JSON: profiles.<variant>.*_trace)")
     args = p.parse_args(argv)
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -167,6 +170,8 @@ def train(args: argparse.Namespace) -> tuple[dict[int, dict[str, Any]], dict[str
     wanted = {last - i * k for i in range(args.checkpoints) for k in args.interval_list}
     if getattr(args, "profile", False):
         wanted.add(last - args.profile_gap)
+        if getattr(args, "cuda_trace", False):
+            wanted.update({last - 2 * args.profile_gap, last - 3 * args.profile_gap})
     torch.manual_seed(args.seed)
     model = GPT(cfg).to(device)
     cuda = device == "cuda"
@@ -361,7 +366,7 @@ def _max(xs: list[int | None]) -> int | None:
 
 
 def profile_delta(variant: str, base_state: dict[str, Any], state: dict[str, Any], root: str,
-                  args: argparse.Namespace) -> dict[str, Any]:
+                  args: argparse.Namespace, earlier: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """One delta save and load of ``state`` against ``base_state``'s checkpoint and a full save
     and load of ``state``, each after an unprofiled warm-up, under a stack sampler: where the
     delta's extra time goes."""
@@ -396,6 +401,24 @@ def profile_delta(variant: str, base_state: dict[str, Any], state: dict[str, Any
             continue
         run("delta_save", lambda: dcp.save(state, storage_writer=writers[0], no_dist=True), writers[0])
         run("full_save", lambda: dcp.save(state, storage_writer=writers[1], no_dist=True), writers[1])
+        if earlier and args.device == "cuda":
+            from benchmarks.cuda_timeline import cuda_timeline
+
+            # A fresh chain of saves --profile-gap apart: a full save, a first delta (it tries
+            # every item), a delta as a chain's later saves run (items whose deltas did not pay
+            # stored whole without a try: stack-sampled), and one more such delta, traced.
+            trace_policy = nvdcp.DeltaPolicy(full_every=8, min_gain=args.min_gain, min_item_bytes=args.min_item_bytes)
+            for i, prior in enumerate(earlier):
+                dcp.save(prior, storage_writer=nvdcp.NvcompWriter(os.path.join(folder, f"trace_{i}"),
+                                                                  delta=trace_policy), no_dist=True)
+            steady = nvdcp.NvcompWriter(os.path.join(folder, "steady_delta"), delta=trace_policy)
+            run("steady_delta_save", lambda: dcp.save(base_state, storage_writer=steady, no_dist=True), steady)
+            traced = (("delta_save_trace", nvdcp.NvcompWriter(os.path.join(folder, "trace_delta"), delta=trace_policy)),
+                      ("full_save_trace", nvdcp.NvcompWriter(os.path.join(folder, "trace_full"))))
+            for label, w in traced:
+                out[label] = cuda_timeline(lambda w=w: dcp.save(state, storage_writer=w, no_dist=True))
+                print(f"  [profile {variant}] {label}: {out[label]}", flush=True)
+            trace_policy.forget()
         for label, path in (("delta_load", delta), ("full_load", full)):
             reader = nvdcp.NvcompReader(path)
             dest = zeros_like_state(state)
@@ -597,7 +620,9 @@ def main(argv: list[str] | None = None) -> Path:
 
             warm[variant] = round(warm_up(variant, state_at(last), root, args), 2)
             if args.profile:
-                profiles[variant] = profile_delta(variant, state_at(last - args.profile_gap), state_at(last), root, args)
+                gap = args.profile_gap
+                pre = [state_at(last - 3 * gap), state_at(last - 2 * gap)] if args.cuda_trace else None
+                profiles[variant] = profile_delta(variant, state_at(last - gap), state_at(last), root, args, pre)
             for interval in args.interval_list:
                 steps = [last - interval * i for i in reversed(range(args.checkpoints))]
                 combos.append(run_combo(variant, interval, [(s, state_at(s)) for s in steps], root, args))

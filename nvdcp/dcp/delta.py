@@ -35,6 +35,7 @@ from nvdcp.dcp.stock_items import is_nvdcp_record
 from nvdcp.errors import IncompleteCheckpointError, MissingBaseError, NvdcpError
 from nvdcp.format.delta import BaseRef, base_candidates, read_delta, relative_location, same_location
 from nvdcp.format.digest import DIGEST_ATTR, digest_of_header
+from nvdcp.format.header import ItemHeader
 from nvdcp.pipeline.delta import (
     DEFAULT_MIN_GAIN,
     DEFAULT_MIN_ITEM_BYTES,
@@ -42,6 +43,7 @@ from nvdcp.pipeline.delta import (
     DeltaTensor,
     default_min_item_bytes,
 )
+from nvdcp.pipeline.policy import next_delta_plane_codecs
 from nvdcp.storage import open_storage
 
 logger = logging.getLogger(__name__)
@@ -280,6 +282,7 @@ class CacheEntry:
     whole_nbytes: int | None = None  # the item's record size when last stored whole
     skip: int = 0  # saves left that store the item whole without trying a delta (it did not pay)
     failed_tries: int = 0  # tries in a row whose delta did not pay (the next skip doubles)
+    delta_codecs: tuple[str, ...] | None = None  # plane codecs of its next GPU delta (how the last one did)
 
 
 class BaseCache:
@@ -430,7 +433,9 @@ class DeltaSave:
         if keep is not None and hit is None:
             keep.whole_nbytes = whole
         on_whole = None if keep is None else functools.partial(setattr, keep, "whole_nbytes")
-        return DeltaTensor(tensor, DeltaInput(base, digest, keep.data if keep else None, whole, self.min_gain, on_whole))
+        codecs = hit.delta_codecs if hit is not None else None
+        return DeltaTensor(tensor, DeltaInput(base, digest, keep.data if keep else None, whole, self.min_gain, on_whole,
+                                              codecs))
 
     def _keep_only(self, tensor: torch.Tensor, keep: CacheEntry | None) -> DeltaTensor | torch.Tensor:
         if keep is None:
@@ -474,13 +479,18 @@ class DeltaSave:
                 self._base_reader = reader
             return self._base_reader
 
-    def written(self, index: MetadataIndex, digest: int, whole_nbytes: int | None) -> None:
-        """The item's record is written: remember its digest (and whole size) for the next save."""
+    def written(self, index: MetadataIndex, digest: int, whole_nbytes: int | None,
+                header: ItemHeader | None = None) -> None:
+        """The item's record is written: remember its digest (and whole size) for the next save,
+        and, for a delta (``header``), which codec each plane of the next one gets."""
         if self.cache is None:
             return
         entry = self.cache.entries.get(index)
         if entry is None:
             return
+        if header is not None and header.is_delta:
+            entry.delta_codecs = next_delta_plane_codecs(header.raw_nbytes, len(header.plane_codecs),
+                                                         header.chunks.sizes) or None
         if index in self._attempted:
             if whole_nbytes is not None:  # the delta was tried and did not pay
                 entry.skip = min(RETRY_AFTER << entry.failed_tries, RETRY_AFTER_MAX)

@@ -584,7 +584,7 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
         info = descriptor.storage_info(name, offset, encoded.nbytes, _descriptor_codec(header.plane_codecs), header.is_delta)
         digest = header.stored_crc if header.stored_crc is not None else digest_of_record_header(encoded.header_bytes)
         if self._delta_save is not None:
-            self._delta_save.written(item.index, digest, None if header.is_delta else encoded.nbytes)
+            self._delta_save.written(item.index, digest, None if header.is_delta else encoded.nbytes, header)
         return WriteResult(
             index=item.index,
             size_in_bytes=encoded.nbytes,

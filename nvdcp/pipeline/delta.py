@@ -63,6 +63,9 @@ class DeltaInput:
     min_gain: float = DEFAULT_MIN_GAIN
     #: told the item's size stored whole when the encoder measures it (unknown ``whole_nbytes``)
     on_whole: Callable[[int], None] | None = None
+    #: each plane's codec for a GPU delta with ``codec="auto"``, from how the item's last delta
+    #: compressed (:func:`nvdcp.pipeline.policy.next_delta_plane_codecs`); None: the default
+    plane_codecs: tuple[str, ...] | None = None
 
     def pays(self, delta_nbytes: int) -> bool:
         """Whether a delta record of ``delta_nbytes`` is worth keeping over the item stored whole."""

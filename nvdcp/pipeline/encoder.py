@@ -202,7 +202,8 @@ class ItemEncoder:
         job = GpuJob(key, flat, layout, t.dtype, _dtype_code(t.dtype, where), tuple(t.shape), KIND_TENSOR)
         if delta is not None:
             job.keep = delta.keep
-            delta_layout = choose_delta_layout(t.dtype, self.config.codec, GPU_AUTO_CODEC) if delta.base is not None else None
+            delta_layout = (choose_delta_layout(t.dtype, self.config.codec, GPU_AUTO_CODEC, delta.plane_codecs)
+                            if delta.base is not None else None)
             if delta_layout is not None:
                 job.layout, job.delta = delta_layout, delta
         return job

@@ -751,3 +751,38 @@ def test_host_loads_rebuild_deltas_in_groups_of_items_with_chains_of_different_d
     # w0: two levels deep; new: one (stored whole in s1); w3: whole in s1 and, skipped, in s2
     assert {"w0", "new"} <= _delta_fqns(tmp_path / "s2") and "w3" not in _delta_fqns(tmp_path / "s1")
     _load_check(tmp_path / "s2", _snapshot(sd))
+
+
+# -- plane codecs of the next GPU delta ---------------------------------------------------------
+def test_a_delta_record_sets_its_items_next_plane_codecs(tmp_path: Path) -> None:
+    """Each delta written tells the cache which codec each plane of the item's next delta gets on
+    the GPU (how well each plane compressed), and the next save hands that to the encoder."""
+    policy = nvdcp.DeltaPolicy(full_every=8)
+    sd = _state()
+    sd["still"] = weights_like((200, 100), seed=5)  # never changes: every plane of its delta is zero
+    save(sd, tmp_path / "full", delta=policy)
+    _train(sd, 1)
+    save(sd, tmp_path / "d1", delta=policy)
+    entries = {ix.fqn: e for ix, e in policy.cache.entries.items()}
+    assert entries["still"].delta_codecs == ("zstd",) * 4
+    # small updates of every weight: the low mantissa bytes carry entropy, the top byte does not
+    w = entries["w"].delta_codecs
+    assert w is not None and w[0] == "gdeflate" and w[-1] == "zstd", w
+    assert entries["ids"].delta_codecs == ("zstd",) * 8  # int64 XOR: a few bytes of 40,000 changed
+    # the next save's encoder inputs carry them
+    handed: dict[str, Any] = {}
+    original = DeltaSave.prepare
+
+    def spy(self: DeltaSave, index: Any, tensor: torch.Tensor) -> Any:
+        out = original(self, index, tensor)
+        handed[index.fqn] = getattr(getattr(out, "delta", None), "plane_codecs", None)
+        return out
+
+    DeltaSave.prepare = spy  # type: ignore[method-assign]
+    try:
+        _train(sd, 2)
+        save(sd, tmp_path / "d2", delta=policy)
+    finally:
+        DeltaSave.prepare = original  # type: ignore[method-assign]
+    assert handed["still"] == ("zstd",) * 4 and handed["w"] == w
+    assert load(_sentinel_like(sd), tmp_path / "d2") is not None

@@ -12,9 +12,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import nvdcp
+from nvdcp.codecs import codec_name
 from nvdcp.dcp import descriptor
+from nvdcp.format.header import parse_item_header
 from nvdcp.gpu.config import GpuConfig
 from tests.conftest import bit_equal, weights_like
+from tests.dcp.helpers import item_span
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda", 0)
@@ -110,3 +113,32 @@ def test_gpu_async_save_of_deltas_loads_bit_exact(tmp_path: Path) -> None:
     assert any(descriptor.is_delta(info) for info in md.storage_data.values())
     for i, expected in enumerate(saved):
         _load(tmp_path / f"s{i}", CUDA, expected)
+
+
+def _plane_codecs(path: Path, fqn: str) -> tuple[str, ...]:
+    file, offset, length = item_span(path, fqn)
+    with open(file, "rb") as f:
+        f.seek(offset)
+        header = parse_item_header(memoryview(f.read(length)), fqn)
+    assert header.is_delta, fqn
+    return tuple(codec_name(c) for c in header.plane_codecs)
+
+
+def test_gpu_delta_planes_get_zstd_where_they_compressed_past_gdeflates_reach(tmp_path: Path) -> None:
+    """First delta of an item: Zstd for the top plane, GDeflate for the rest; later deltas give
+    Zstd to the planes that compressed 7x or more last time (all of an unchanged tensor's)."""
+    policy = nvdcp.DeltaPolicy(full_every=8)
+    sd = _state()
+    sd["still"] = weights_like((512, 300), seed=7).to(CUDA)
+    saved = []
+    for i in range(3):
+        dcp.save(sd, storage_writer=nvdcp.NvcompWriter(tmp_path / f"s{i}", delta=policy))
+        saved.append({k: v.detach().cpu().clone() for k, v in sd.items()})
+        _step(sd, i)
+    assert _plane_codecs(tmp_path / "s1", "still") == ("gdeflate", "gdeflate", "gdeflate", "zstd")
+    assert _plane_codecs(tmp_path / "s2", "still") == ("zstd",) * 4
+    w32 = _plane_codecs(tmp_path / "s2", "w32")
+    assert w32[0] == "gdeflate" and w32[-1] == "zstd", w32
+    for i in (1, 2):
+        _load(tmp_path / f"s{i}", CUDA, saved[i])
+        _load(tmp_path / f"s{i}", torch.device("cpu"), saved[i])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,7 +14,9 @@ from nvdcp.pipeline.policy import (
     CPU_AUTO_CODEC,
     GPU_AUTO_CODEC,
     Layout,
+    choose_delta_layout,
     choose_layout,
+    next_delta_plane_codecs,
     validate_codec_choice,
 )
 
@@ -138,3 +141,43 @@ def test_validate_codec_choice_returns_it(codec: str) -> None:
 def test_validate_codec_choice_rejects(codec: object) -> None:
     with pytest.raises(nvdcp.UnknownCodecError, match="known codecs"):
         validate_codec_choice(codec)  # type: ignore[arg-type]
+
+
+# -- delta layouts -------------------------------------------------------------------------------
+def test_gpu_auto_delta_layout_gives_the_top_plane_zstd() -> None:
+    assert choose_delta_layout(torch.float32, "auto", GPU_AUTO_CODEC) == Layout(
+        TRANSFORM_BYTEPLANES, ("gdeflate", "gdeflate", "gdeflate", "zstd"))
+    assert choose_delta_layout(torch.bfloat16, "auto", GPU_AUTO_CODEC) == Layout(TRANSFORM_BYTEPLANES, ("gdeflate", "zstd"))
+    assert choose_delta_layout(torch.uint8, "auto", GPU_AUTO_CODEC) == Layout(TRANSFORM_NONE, ("zstd",))
+
+
+def test_gpu_auto_delta_layout_follows_a_valid_hint_only() -> None:
+    hint = ("zstd", "zstd")
+    assert choose_delta_layout(torch.bfloat16, "auto", GPU_AUTO_CODEC, hint).plane_codecs == hint
+    default = choose_delta_layout(torch.bfloat16, "auto", GPU_AUTO_CODEC)
+    for bad in [("zstd",), ("zstd", "zstd", "zstd"), ("zstd", "ans"), ("lz4", "zstd")]:
+        assert choose_delta_layout(torch.bfloat16, "auto", GPU_AUTO_CODEC, bad) == default, bad
+
+
+@pytest.mark.parametrize("codec", ["zstd", "gdeflate", "ans"])
+def test_delta_layout_of_a_named_codec_or_the_cpu_path_ignores_hints(codec: str) -> None:
+    hint = ("zstd",) * 4
+    expected = GPU_AUTO_CODEC if codec == "ans" else codec
+    assert choose_delta_layout(torch.float32, codec, GPU_AUTO_CODEC, hint).plane_codecs == (expected,) * 4
+    assert choose_delta_layout(torch.float32, "auto", CPU_AUTO_CODEC, ("gdeflate",) * 4).plane_codecs == ("zstd",) * 4
+    assert choose_delta_layout(torch.float32, "none", GPU_AUTO_CODEC, hint) is None
+
+
+def test_next_delta_plane_codecs_by_each_planes_ratio() -> None:
+    # 2 blocks x 4 planes of a 64 KiB-per-plane item (raw 2 x 4 x 32 KiB = 256 KiB): per plane
+    # stored 64 KiB (1x), 20 KiB (3.2x), 9,363 B (just over 7x), 9,364 B (just under 7x)
+    per_plane = (32768, 10240, 4681, 4682)
+    sizes = np.array(per_plane * 2, dtype=np.uint32)
+    assert next_delta_plane_codecs(256 << 10, 4, sizes) == ("gdeflate", "gdeflate", "zstd", "gdeflate")
+    assert next_delta_plane_codecs(256 << 10, 4, np.full(8, 10, dtype=np.uint32)) == ("zstd",) * 4
+    assert next_delta_plane_codecs(100, 1, np.array([0], dtype=np.uint32)) == ("zstd",)  # stored in 0 bytes
+
+
+@pytest.mark.parametrize("raw, planes, n_chunks", [(0, 4, 0), (100, 4, 3), (100, 0, 1), (100, 2, 0)])
+def test_next_delta_plane_codecs_gives_nothing_for_what_it_cannot_read(raw: int, planes: int, n_chunks: int) -> None:
+    assert next_delta_plane_codecs(raw, planes, np.ones(n_chunks, dtype=np.uint32)) == ()
