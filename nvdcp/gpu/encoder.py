@@ -142,6 +142,8 @@ class HostBucket:
 #: Small tensors are split into planes in groups of at most this many bytes (the group's
 #: concatenation and its transposed copy are the only GPU memory beyond the bucket's arena).
 SMALL_SPLIT_BYTES = 16 << 20
+#: Delta items are differenced and split in runs of at most this many bytes (:func:`split_run`).
+DELTA_RUN_BYTES = 64 << 20
 
 
 def split_small_tensors(sources: list[torch.Tensor], first_slots: list[int], p: int, m: int,
@@ -162,6 +164,57 @@ def split_small_tensors(sources: list[torch.Tensor], first_slots: list[int], p: 
         rows = (np.asarray(first_slots[lo : lo + per], dtype=np.int64)[:, None] + lanes).reshape(-1)
         # non_blocking: pageable memory is staged at once, without waiting for the stream's work
         slots[torch.from_numpy(rows).to(slots.device, non_blocking=True), :m] = planes
+
+
+def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A copy of ``host`` on ``device``, queued on the current stream (a copy also when the
+    device is the CPU, as in the tests: ``.to`` would return the same memory)."""
+    out = torch.empty(host.shape, dtype=host.dtype, device=device)
+    out.copy_(host, non_blocking=True)
+    return out
+
+
+def _host_span(first: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """``nbytes`` of host memory from ``first``'s start: the views of a run lie back to back in
+    one buffer (:func:`_continues`), so this spans them all."""
+    return first.as_strided((nbytes,), (1,))
+
+
+def _continues(prev: torch.Tensor, nxt: torch.Tensor) -> bool:
+    """Whether host view ``nxt`` starts where ``prev`` ends, in the same buffer."""
+    return (nxt.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
+            and nxt.data_ptr() == prev.data_ptr() + prev.numel())
+
+
+def split_run(run: list[GpuJob], first_slot: int, slots: torch.Tensor, chunk_bytes: int) -> None:
+    """Write a run of jobs into their slots, each kept (its raw bytes copied to ``keep``) and,
+    with a base, stored as its difference from it: what the per-segment copies write, with one
+    upload, one concatenation, one download, one difference and one transposed copy for the
+    whole run instead of each per job.
+
+    A run (:meth:`GpuEncoder._runs`): jobs of one dtype and layout transform, each held whole
+    by one segment of whole blocks, in slots that follow one another from ``first_slot``, all
+    with a base (whose memory is also its ``keep``, when kept) or all kept without one, their
+    host memory back to back in one buffer. On the current stream."""
+    first = run[0]
+    p, c = first.n_planes, chunk_bytes
+    nbytes = sum(job.data.numel() for job in run)
+    new = first.data if len(run) == 1 else torch.cat([job.data for job in run])
+    base = first.delta.base if first.delta is not None else None
+    if first.keep is not None:
+        kept = _host_span(first.keep, nbytes)
+        if base is not None:  # the same memory: the base goes up before the new bytes come down
+            out = _upload(kept, slots.device)
+        kept.copy_(new, non_blocking=True)
+    elif base is not None:
+        out = _upload(_host_span(base, nbytes), slots.device)
+    if base is not None:
+        kind, size = delta_transform.kind_for(first.dtype), first.dtype.itemsize
+        delta_transform.difference_into_base_torch(new, out, kind, size)
+        del new  # the concatenation's memory serves the next temporary (same stream)
+        new = delta_transform.finish_in_place_torch(out, kind, size)
+    blocks = nbytes // (p * c)
+    slots[first_slot : first_slot + blocks * p].view(blocks, p, c).copy_(new.view(blocks, c, p).permute(0, 2, 1))
 
 
 @dataclass
@@ -299,6 +352,34 @@ class _Stopped(Exception):
     """The consumer of :meth:`GpuEncoder.encode` went away: the producer stops."""
 
 
+def _runnable(job: GpuJob, seg: _Segment, chunk_bytes: int) -> bool:
+    """Whether ``seg`` holds all of ``job`` in whole blocks and the job has a base or bytes to
+    keep, its base (when it has one) being its keep memory too or kept nowhere: :func:`split_run`."""
+    m = job.elements
+    if seg.first_block != 0 or m == 0 or m % chunk_bytes or seg.n_blocks * chunk_bytes != m:
+        return False
+    base = job.delta.base if job.delta is not None else None
+    if base is None:
+        return job.keep is not None
+    return job.keep is None or job.keep.data_ptr() == base.data_ptr()
+
+
+def _host_of(job: GpuJob) -> torch.Tensor:
+    """The host memory a run spans for ``job``: its base, else its keep."""
+    base = job.delta.base if job.delta is not None else None
+    host = base if base is not None else job.keep
+    assert host is not None
+    return host
+
+
+def _same_kind(a: GpuJob, b: GpuJob) -> bool:
+    """Whether ``b`` may join ``a``'s run: same dtype and transform, same base/keep presence."""
+    def mode(job: GpuJob) -> tuple[bool, bool]:
+        return (job.delta is not None and job.delta.base is not None, job.keep is not None)
+
+    return a.dtype == b.dtype and a.layout.transform == b.layout.transform and mode(a) == mode(b)
+
+
 class GpuEncoder:
     """Encodes CUDA tensors into container records (one encoder per device and writer thread)."""
 
@@ -395,13 +476,20 @@ class GpuEncoder:
         or keep, go in groups of one shape (:func:`split_small_tensors`): a few copies per group
         instead of two or three torch calls per tensor, which took most of the encode thread's
         time for 20,000 small tensors (for those of several blocks still 56% of its stack samples,
-        cpu_pipeline_profile_2026-12-01_h200_session7_small-save_cuda.json)."""
+        cpu_pipeline_profile_2026-12-01_h200_session7_small-save_cuda.json). Such tensors with a
+        base or bytes to keep go in runs (:func:`split_run`): a delta save's encode thread spent
+        most of its time in the seven or eight torch calls each of them made
+        (delta_bench_2026-12-01_h200_decay_session8.json, profiles)."""
         c = self.chunk_bytes
         small: dict[tuple[int, int, int], tuple[list[torch.Tensor], list[int]]] = {}
+        for run, first_slot in self._runs(jobs, bucket):
+            split_run(run, first_slot, slots, c)
         for seg in bucket.segments:
             job = jobs[seg.job]
             p, m = job.n_planes, job.elements
             whole = seg.first_block == 0 and seg.n_blocks * c >= m  # the segment holds all of it
+            if _runnable(job, seg, c):
+                continue  # written by its run
             if whole and 0 < m and (m <= c or m % c == 0) and job.delta is None and job.keep is None:
                 # one block, or whole blocks only (no tail): grouped with tensors of its shape
                 sources, first_slots = small.setdefault((p, min(m, c), max(1, m // c)), ([], []))
@@ -415,7 +503,7 @@ class GpuEncoder:
             base = None
             if job.delta is not None and job.delta.base is not None:
                 # the base's bytes reach the GPU before the same host memory receives the new ones
-                base = job.delta.base[start * p : (start + m) * p].to(src.device, non_blocking=True)
+                base = _upload(job.delta.base[start * p : (start + m) * p], src.device)
             if job.keep is not None:
                 job.keep[start * p : (start + m) * p].copy_(src, non_blocking=True)
             if base is not None:
@@ -433,6 +521,32 @@ class GpuEncoder:
                     region[full, :tail].copy_(src[full * c :])
         for (p, m, blocks), (sources, first_slots) in small.items():
             split_small_tensors(sources, first_slots, p, m, slots, blocks)
+
+    def _runs(self, jobs: list[GpuJob], bucket: _Bucket) -> Iterator[tuple[list[GpuJob], int]]:
+        """The bucket's runs for :func:`split_run`, each with its first slot: consecutive
+        segments of runnable jobs (:func:`_runnable`) of one dtype and transform, all with a base
+        or all without, whose host memory continues the previous job's. The concatenation is a
+        temporary: runs with a base hold at most ``DELTA_RUN_BYTES`` (the bucket's budget counts
+        two temporaries per delta block), the others ``SMALL_SPLIT_BYTES``."""
+        c = self.chunk_bytes
+        run: list[GpuJob] = []
+        first_slot = size = 0
+        for seg in bucket.segments:
+            job = jobs[seg.job]
+            if not _runnable(job, seg, c):
+                continue
+            cap = DELTA_RUN_BYTES if job.delta is not None else SMALL_SPLIT_BYTES
+            if run and not (_same_kind(run[-1], job) and size + job.data.numel() <= cap
+                            and first_slot + size // c == seg.first_slot
+                            and _continues(_host_of(run[-1]), _host_of(job))):
+                yield run, first_slot
+                run = []
+            if not run:
+                first_slot, size = seg.first_slot, 0
+            run.append(job)
+            size += job.data.numel()
+        if run:
+            yield run, first_slot
 
     def _launch(self, jobs: list[GpuJob], bucket: _Bucket, parity: int) -> _Launched:
         import nvidia.nvcomp as nv  # here, not at import: the packing helpers above run without it

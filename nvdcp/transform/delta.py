@@ -99,13 +99,30 @@ def encode_torch(raw: torch.Tensor, base: torch.Tensor, kind: int, element_size:
 def encode_into_base_torch(raw: torch.Tensor, base: torch.Tensor, kind: int, element_size: int) -> torch.Tensor:
     """As :func:`encode_torch`, written over ``base`` (a scratch copy of the base's bytes, e.g.
     the GPU encoder's upload of it) with one temporary instead of four; returns ``base``."""
+    difference_into_base_torch(raw, base, kind, element_size)
+    return finish_in_place_torch(base, kind, element_size)
+
+
+def difference_into_base_torch(raw: torch.Tensor, base: torch.Tensor, kind: int, element_size: int) -> None:
+    """The first step of :func:`encode_into_base_torch`: ``base`` becomes ``raw`` XOR ``base``
+    (``XOR``) or ``raw - base`` (``ZIGZAG_DIFF``). After it ``raw`` is no longer read: a caller
+    holding it in a temporary can free it before :func:`finish_in_place_torch` allocates."""
     if kind == XOR:
-        return base.bitwise_xor_(raw)
+        base.bitwise_xor_(raw)
+        return
     d = base.view(_TORCH_INT[element_size])
     torch.sub(raw.view(d.dtype), d, out=d)
+
+
+def finish_in_place_torch(delta: torch.Tensor, kind: int, element_size: int) -> torch.Tensor:
+    """The second step of :func:`encode_into_base_torch`: zigzag-code a difference in place
+    (nothing to do for ``XOR``); returns ``delta``."""
+    if kind == XOR:
+        return delta
+    d = delta.view(_TORCH_INT[element_size])
     sign = d >> (8 * element_size - 1)
     d.bitwise_left_shift_(1).bitwise_xor_(sign)
-    return base
+    return delta
 
 
 def to_difference_torch(delta: torch.Tensor, kind: int, element_size: int) -> None:
@@ -133,7 +150,7 @@ def accumulate_torch(acc: torch.Tensor, level: torch.Tensor, kind: int, element_
 
 
 __all__ = [
-    "KINDS", "XOR", "ZIGZAG_DIFF", "accumulate_torch", "apply_np", "encode_into_base_torch", "encode_np", "encode_torch",
-    "kind_for",
+    "KINDS", "XOR", "ZIGZAG_DIFF", "accumulate_torch", "apply_np", "difference_into_base_torch", "encode_into_base_torch",
+    "encode_np", "encode_torch", "finish_in_place_torch", "kind_for",
     "to_difference_torch",
 ]

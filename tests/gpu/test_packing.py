@@ -4,6 +4,7 @@ host placement the GPU path uses, so the layout logic is checked on every machin
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ import torch
 from nvdcp.dcp.stager import HostBuffers
 from nvdcp.gpu import encoder as encoder_module
 from nvdcp.gpu.encoder import HostBucket, compaction_plan, granule_for, pack_chunks
+from nvdcp.transform import delta as delta_transform
 
 MiB = 1 << 20
 
@@ -237,3 +239,113 @@ def test_tensors_of_whole_blocks_split_in_groups_as_one_segment_at_a_time(
         _reference_split_blocks(source, first, p, chunk, full, want)
     assert torch.equal(got, want)
     assert not torch.equal(got, fill)
+
+
+# -- delta items and kept bytes split in runs ---------------------------------------------------
+def _reference_segment(job: Any, seg: Any, slots: torch.Tensor, c: int) -> None:
+    """The per-segment path of GpuEncoder._split_planes (before runs): keep, difference, split."""
+    p = job.n_planes
+    start = seg.first_block * c
+    m = min(job.elements, (seg.first_block + seg.n_blocks) * c) - start
+    full, tail = divmod(m, c)
+    src = job.data[start * p : (start + m) * p]
+    base = job.delta.base[start * p : (start + m) * p].clone() if job.delta is not None else None
+    if job.keep is not None:
+        job.keep[start * p : (start + m) * p].copy_(src)
+    if base is not None:
+        src = delta_transform.encode_into_base_torch(src, base, delta_transform.kind_for(job.dtype), job.dtype.itemsize)
+    region = slots[seg.first_slot : seg.first_slot + seg.n_blocks * p]
+    if full:
+        region[: full * p].view(full, p, c).copy_(src[: full * c * p].view(full, c, p).permute(0, 2, 1))
+    if tail:
+        region[full * p : (full + 1) * p, :tail].copy_(src[full * c * p :].view(tail, p).t())
+
+
+def _delta_bucket(seed: int, c: int) -> tuple[list[Any], Any, list[torch.Tensor]]:
+    """Jobs of every kind _split_planes meets, in one bucket: deltas whose bases lie back to back
+    in one host arena (runs), one in another arena, keep-only jobs, a job with a tail, a delta
+    kept elsewhere than its base, a second segment of a split job, other dtypes, plain jobs."""
+    from nvdcp.gpu.encoder import GpuJob, _Bucket, _Segment
+    from nvdcp.pipeline.delta import DeltaInput
+    from nvdcp.pipeline.policy import choose_delta_layout, choose_layout
+
+    rng = np.random.default_rng(seed)
+    arena = torch.from_numpy(rng.integers(0, 256, size=64 * c * 8, dtype=np.uint8))
+    other = torch.from_numpy(rng.integers(0, 256, size=8 * c * 8, dtype=np.uint8))
+    used = {"arena": 0, "other": 0}
+
+    def host(nbytes: int, where: str = "arena") -> torch.Tensor:
+        buf = arena if where == "arena" else other
+        out = buf[used[where] : used[where] + nbytes]
+        used[where] += nbytes
+        return out
+
+    def job(dtype: torch.dtype, elements: int, kind: str, where: str = "arena") -> Any:
+        size = torch.empty((), dtype=dtype).element_size()
+        data = torch.from_numpy(rng.integers(0, 256, size=elements * size, dtype=np.uint8))
+        layout = choose_layout(dtype, "zstd")
+        j = GpuJob(kind, data, layout, dtype, 0, (elements,))
+        if kind in ("delta", "delta-kept", "delta-apart"):
+            base = host(data.numel(), where)
+            j.layout = choose_delta_layout(dtype, "zstd")
+            j.delta = DeltaInput(base, 1, None, None)
+            if kind == "delta-kept":
+                j.keep = base
+            elif kind == "delta-apart":
+                j.keep = host(data.numel(), "other")
+        elif kind == "keep":
+            j.keep = host(data.numel(), where)
+        return j
+
+    jobs = [
+        job(torch.float32, 2 * c, "delta-kept"), job(torch.float32, 3 * c, "delta-kept"),
+        job(torch.float32, c, "delta-kept"),  # a run of three
+        job(torch.bfloat16, 2 * c, "delta-kept"),  # another dtype: a run of its own
+        job(torch.float32, 2 * c, "delta-kept", "other"),  # its base in another arena
+        job(torch.float32, 2 * c, "delta"), job(torch.float32, c, "delta"),  # bases kept nowhere
+        job(torch.float32, c + 5, "delta-kept"),  # a tail: per segment
+        job(torch.float32, 2 * c, "delta-apart"),  # kept elsewhere than its base: per segment
+        job(torch.float32, 2 * c, "keep"), job(torch.float32, c, "keep"),  # keep-only run
+        job(torch.float32, 2 * c, "plain"), job(torch.int64, c, "plain"),
+        job(torch.float32, 4 * c, "delta-kept"),  # split over two segments: per segment
+    ]
+    bucket = _Bucket()
+    for j, jb in enumerate(jobs):
+        blocks = -(-jb.elements // c)
+        parts = [(0, blocks)] if j != len(jobs) - 1 else [(0, 2), (2, 2)]
+        for first, n in parts:
+            bucket.segments.append(_Segment(j, first, n, bucket.slots))
+            bucket.slots += n * jb.n_planes
+    bases = [j.delta.base.clone() if j.delta is not None else None for j in jobs]
+    return jobs, bucket, bases
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("run_bytes", [64 << 20, 3 * 1024 * 4])
+def test_delta_and_kept_jobs_split_in_runs_as_one_segment_at_a_time(
+    seed: int, run_bytes: int, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Slots and kept bytes are what the per-segment path writes, whatever the run bound."""
+    from nvdcp.gpu.encoder import GpuEncoder
+
+    monkeypatch.setattr(encoder_module, "DELTA_RUN_BYTES", run_bytes)
+    c = 1024
+    jobs, bucket, bases = _delta_bucket(seed, c)
+    encoder = object.__new__(GpuEncoder)
+    encoder.chunk_bytes = c
+    runs = list(encoder._runs(jobs, bucket))
+    assert [len(run) for run, _ in runs if run[0].key == "delta-kept"][:1] == ([3] if run_bytes > 1 << 20 else [1])
+    assert any(run[0].key == "keep" and len(run) == 2 for run, _ in runs)
+    slots = torch.zeros(bucket.slots, c, dtype=torch.uint8)
+    encoder._split_planes(jobs, bucket, slots)
+    got_keeps = [j.keep.clone() if j.keep is not None else None for j in jobs]
+    for j, base in zip(jobs, bases):  # restore the bases (the kept bytes overwrote them)
+        if base is not None:
+            j.delta.base.copy_(base)
+    want = torch.zeros_like(slots)
+    for seg in bucket.segments:
+        _reference_segment(jobs[seg.job], seg, want, c)
+    assert torch.equal(slots, want)
+    for j, kept in zip(jobs, got_keeps):
+        if kept is not None:
+            assert torch.equal(kept, j.data), j.key
