@@ -174,47 +174,45 @@ def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return out
 
 
-def _host_span(first: torch.Tensor, nbytes: int) -> torch.Tensor:
-    """``nbytes`` of host memory from ``first``'s start: the views of a run lie back to back in
-    one buffer (:func:`_continues`), so this spans them all."""
-    return first.as_strided((nbytes,), (1,))
+def split_run(run: list[tuple[GpuJob, int]], slots: torch.Tensor, chunk_bytes: int) -> None:
+    """Write a run of ``(job, first slot)`` into the slots, each job kept (its raw bytes copied
+    to ``keep``, when set) and, with a base, stored as its difference from it: what the
+    per-segment copies write, with one concatenation, one difference and one transposed copy
+    (an indexed write when the slots are not consecutive) for the whole run, and one upload
+    and one download per job, instead of seven or eight torch calls per job.
 
-
-def _continues(prev: torch.Tensor, nxt: torch.Tensor) -> bool:
-    """Whether host view ``nxt`` starts where ``prev`` ends, in the same buffer."""
-    return (nxt.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
-            and nxt.data_ptr() == prev.data_ptr() + prev.numel())
-
-
-def split_run(run: list[GpuJob], first_slot: int, slots: torch.Tensor, chunk_bytes: int) -> None:
-    """Write a run of jobs into their slots, each kept (its raw bytes copied to ``keep``) and,
-    with a base, stored as its difference from it: what the per-segment copies write, with one
-    upload, one concatenation, one download, one difference and one transposed copy for the
-    whole run instead of each per job.
-
-    A run (:meth:`GpuEncoder._runs`): jobs of one dtype and layout transform, each held whole
-    by one segment of whole blocks, in slots that follow one another from ``first_slot``, all
-    with a base (whose memory is also its ``keep``, when kept) or all kept without one, their
-    host memory back to back in one buffer. On the current stream."""
-    first = run[0]
+    A run (:meth:`GpuEncoder._runs`): jobs of one dtype and layout transform, each held whole by
+    one segment of whole blocks, all with a base or all without (then each has a ``keep``). On
+    the current stream."""
+    jobs = [job for job, _ in run]
+    first = jobs[0]
     p, c = first.n_planes, chunk_bytes
-    nbytes = sum(job.data.numel() for job in run)
-    new = first.data if len(run) == 1 else torch.cat([job.data for job in run])
-    base = first.delta.base if first.delta is not None else None
-    if first.keep is not None:
-        kept = _host_span(first.keep, nbytes)
-        if base is not None:  # the same memory: the base goes up before the new bytes come down
-            out = _upload(kept, slots.device)
-        kept.copy_(new, non_blocking=True)
-    elif base is not None:
-        out = _upload(_host_span(base, nbytes), slots.device)
-    if base is not None:
+    sizes = [job.data.numel() for job in jobs]
+    offsets = np.concatenate(([0], np.cumsum(sizes)))
+    new = first.data if len(jobs) == 1 else torch.cat([job.data for job in jobs])
+    out = None
+    if first.delta is not None:
+        out = torch.empty(new.numel(), dtype=torch.uint8, device=slots.device)
+        for job, lo, hi in zip(jobs, offsets[:-1].tolist(), offsets[1:].tolist()):
+            assert job.delta is not None and job.delta.base is not None
+            out[lo:hi].copy_(job.delta.base, non_blocking=True)
+    for job in jobs:  # after the uploads: a job's keep may be its base's memory
+        if job.keep is not None:
+            job.keep.copy_(job.data, non_blocking=True)
+    if out is not None:
         kind, size = delta_transform.kind_for(first.dtype), first.dtype.itemsize
         delta_transform.difference_into_base_torch(new, out, kind, size)
         del new  # the concatenation's memory serves the next temporary (same stream)
         new = delta_transform.finish_in_place_torch(out, kind, size)
-    blocks = nbytes // (p * c)
-    slots[first_slot : first_slot + blocks * p].view(blocks, p, c).copy_(new.view(blocks, c, p).permute(0, 2, 1))
+    blocks = [n // (p * c) for n in sizes]
+    first_slots = [slot for _, slot in run]
+    total = sum(blocks)
+    if all(a + b * p == nxt for a, b, nxt in zip(first_slots, blocks, first_slots[1:])):  # consecutive
+        slots[first_slots[0] : first_slots[0] + total * p].view(total, p, c).copy_(new.view(total, c, p).permute(0, 2, 1))
+        return
+    rows = np.concatenate([np.arange(a, a + b * p, dtype=np.int64) for a, b in zip(first_slots, blocks)])
+    planes = new.view(total, c, p).permute(0, 2, 1).reshape(total * p, c)
+    slots[torch.from_numpy(rows).to(slots.device, non_blocking=True)] = planes
 
 
 @dataclass
@@ -354,30 +352,11 @@ class _Stopped(Exception):
 
 def _runnable(job: GpuJob, seg: _Segment, chunk_bytes: int) -> bool:
     """Whether ``seg`` holds all of ``job`` in whole blocks and the job has a base or bytes to
-    keep, its base (when it has one) being its keep memory too or kept nowhere: :func:`split_run`."""
+    keep (:func:`split_run`)."""
     m = job.elements
     if seg.first_block != 0 or m == 0 or m % chunk_bytes or seg.n_blocks * chunk_bytes != m:
         return False
-    base = job.delta.base if job.delta is not None else None
-    if base is None:
-        return job.keep is not None
-    return job.keep is None or job.keep.data_ptr() == base.data_ptr()
-
-
-def _host_of(job: GpuJob) -> torch.Tensor:
-    """The host memory a run spans for ``job``: its base, else its keep."""
-    base = job.delta.base if job.delta is not None else None
-    host = base if base is not None else job.keep
-    assert host is not None
-    return host
-
-
-def _same_kind(a: GpuJob, b: GpuJob) -> bool:
-    """Whether ``b`` may join ``a``'s run: same dtype and transform, same base/keep presence."""
-    def mode(job: GpuJob) -> tuple[bool, bool]:
-        return (job.delta is not None and job.delta.base is not None, job.keep is not None)
-
-    return a.dtype == b.dtype and a.layout.transform == b.layout.transform and mode(a) == mode(b)
+    return job.delta is not None or job.keep is not None
 
 
 class GpuEncoder:
@@ -482,8 +461,8 @@ class GpuEncoder:
         (delta_bench_2026-12-01_h200_decay_session8.json, profiles)."""
         c = self.chunk_bytes
         small: dict[tuple[int, int, int], tuple[list[torch.Tensor], list[int]]] = {}
-        for run, first_slot in self._runs(jobs, bucket):
-            split_run(run, first_slot, slots, c)
+        for run in self._runs(jobs, bucket):
+            split_run(run, slots, c)
         for seg in bucket.segments:
             job = jobs[seg.job]
             p, m = job.n_planes, job.elements
@@ -522,31 +501,29 @@ class GpuEncoder:
         for (p, m, blocks), (sources, first_slots) in small.items():
             split_small_tensors(sources, first_slots, p, m, slots, blocks)
 
-    def _runs(self, jobs: list[GpuJob], bucket: _Bucket) -> Iterator[tuple[list[GpuJob], int]]:
-        """The bucket's runs for :func:`split_run`, each with its first slot: consecutive
-        segments of runnable jobs (:func:`_runnable`) of one dtype and transform, all with a base
-        or all without, whose host memory continues the previous job's. The concatenation is a
-        temporary: runs with a base hold at most ``DELTA_RUN_BYTES`` (the bucket's budget counts
-        two temporaries per delta block), the others ``SMALL_SPLIT_BYTES``."""
+    def _runs(self, jobs: list[GpuJob], bucket: _Bucket) -> Iterator[list[tuple[GpuJob, int]]]:
+        """The bucket's runs for :func:`split_run`: its runnable jobs (:func:`_runnable`) grouped
+        by dtype, transform and whether they have a base, each with its first slot, in bucket
+        order. The concatenation is a temporary: runs with a base hold at most
+        ``DELTA_RUN_BYTES`` (the bucket's budget counts two temporaries per delta block), the
+        others ``SMALL_SPLIT_BYTES``."""
         c = self.chunk_bytes
-        run: list[GpuJob] = []
-        first_slot = size = 0
+        open_runs: dict[tuple[torch.dtype, int, bool], tuple[list[tuple[GpuJob, int]], list[int]]] = {}
         for seg in bucket.segments:
             job = jobs[seg.job]
             if not _runnable(job, seg, c):
                 continue
+            key = (job.dtype, job.layout.transform, job.delta is not None)
             cap = DELTA_RUN_BYTES if job.delta is not None else SMALL_SPLIT_BYTES
-            if run and not (_same_kind(run[-1], job) and size + job.data.numel() <= cap
-                            and first_slot + size // c == seg.first_slot
-                            and _continues(_host_of(run[-1]), _host_of(job))):
-                yield run, first_slot
-                run = []
-            if not run:
-                first_slot, size = seg.first_slot, 0
-            run.append(job)
-            size += job.data.numel()
-        if run:
-            yield run, first_slot
+            run, size = open_runs.setdefault(key, ([], [0]))
+            if run and size[0] + job.data.numel() > cap:
+                yield run
+                run, size = open_runs[key] = ([], [0])
+            run.append((job, seg.first_slot))
+            size[0] += job.data.numel()
+        for run, _ in open_runs.values():
+            if run:
+                yield run
 
     def _launch(self, jobs: list[GpuJob], bucket: _Bucket, parity: int) -> _Launched:
         import nvidia.nvcomp as nv  # here, not at import: the packing helpers above run without it

@@ -263,8 +263,9 @@ def _reference_segment(job: Any, seg: Any, slots: torch.Tensor, c: int) -> None:
 
 def _delta_bucket(seed: int, c: int) -> tuple[list[Any], Any, list[torch.Tensor]]:
     """Jobs of every kind _split_planes meets, in one bucket: deltas whose bases lie back to back
-    in one host arena (runs), one in another arena, keep-only jobs, a job with a tail, a delta
-    kept elsewhere than its base, a second segment of a split job, other dtypes, plain jobs."""
+    in one host arena, one in another arena, bases kept nowhere, keep-only jobs between them, a
+    job with a tail, a delta kept elsewhere than its base, a job split over two segments, other
+    dtypes, plain jobs."""
     from nvdcp.gpu.encoder import GpuJob, _Bucket, _Segment
     from nvdcp.pipeline.delta import DeltaInput
     from nvdcp.pipeline.policy import choose_delta_layout, choose_layout
@@ -325,7 +326,8 @@ def _delta_bucket(seed: int, c: int) -> tuple[list[Any], Any, list[torch.Tensor]
 def test_delta_and_kept_jobs_split_in_runs_as_one_segment_at_a_time(
     seed: int, run_bytes: int, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Slots and kept bytes are what the per-segment path writes, whatever the run bound."""
+    """Slots and kept bytes are what the per-segment path writes, whatever the run bound (runs
+    whose slots follow one another, and runs written through an index)."""
     from nvdcp.gpu.encoder import GpuEncoder
 
     monkeypatch.setattr(encoder_module, "DELTA_RUN_BYTES", run_bytes)
@@ -333,9 +335,15 @@ def test_delta_and_kept_jobs_split_in_runs_as_one_segment_at_a_time(
     jobs, bucket, bases = _delta_bucket(seed, c)
     encoder = object.__new__(GpuEncoder)
     encoder.chunk_bytes = c
-    runs = list(encoder._runs(jobs, bucket))
-    assert [len(run) for run, _ in runs if run[0].key == "delta-kept"][:1] == ([3] if run_bytes > 1 << 20 else [1])
-    assert any(run[0].key == "keep" and len(run) == 2 for run, _ in runs)
+    runs = [[job for job, _ in run] for run in encoder._runs(jobs, bucket)]
+    fp32_deltas = [run for run in runs if run[0].delta is not None and run[0].dtype == torch.float32]
+    # all seven fp32 deltas held whole in whole blocks (not the one with a tail, not the split one)
+    assert sum(map(len, fp32_deltas)) == 7
+    assert len(fp32_deltas) == 1 if run_bytes > 1 << 20 else len(fp32_deltas) > 2
+    for run in fp32_deltas:
+        assert len(run) == 1 or sum(job.data.numel() for job in run) <= run_bytes
+    assert [len(run) for run in runs if run[0].key == "keep"] == [2]
+    assert not any(job is jobs[7] or job is jobs[13] for run in runs for job in run)
     slots = torch.zeros(bucket.slots, c, dtype=torch.uint8)
     encoder._split_planes(jobs, bucket, slots)
     got_keeps = [j.keep.clone() if j.keep is not None else None for j in jobs]
