@@ -215,9 +215,12 @@ def _shape(shape: list[int] | None) -> str:
 
 
 def _codec_cell(plane_codecs: list[str] | None, codec: str, transform: str | None) -> str:
+    """The codec column: the codecs at work and on how many planes ("gdeflate+zstd (4/4 planes)"
+    for a GPU delta whose top plane is Zstd's)."""
     if transform == "byteplanes" and plane_codecs:
-        used = sum(1 for c in plane_codecs if c != "none")
-        return f"{codec} ({used}/{len(plane_codecs)} planes)"
+        working = [c for c in plane_codecs if c != "none"]
+        names = "+".join(dict.fromkeys(working)) or codec
+        return f"{names} ({len(working)}/{len(plane_codecs)} planes)"
     return codec
 
 

@@ -7,10 +7,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 import nvdcp
+from nvdcp.cli.app import _codec_cell
 from nvdcp.inspection import HEADER_PREFIX_BYTES
 from tests.cli.conftest import cli, flip_byte, invoke, records
 
@@ -126,3 +128,14 @@ def test_missing_checkpoint_and_bad_arguments(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     assert "is a file" in invoke("inspect", tmp_path / "file").stderr
     assert os.listdir(tmp_path) == ["file"]
+
+
+@pytest.mark.parametrize(("planes", "expected"), [
+    (["none", "none", "none", "zstd"], "zstd (1/4 planes)"),
+    (["gdeflate", "gdeflate", "gdeflate", "zstd"], "gdeflate+zstd (4/4 planes)"),  # a GPU delta
+    (["zstd", "gdeflate"], "zstd+gdeflate (2/2 planes)"),
+    (["none", "none"], "none (0/2 planes)"),
+])
+def test_codec_column_names_every_codec_at_work(planes: list[str], expected: str) -> None:
+    assert _codec_cell(planes, planes[-1] if planes[-1] != "none" else "none", "byteplanes") == expected
+    assert _codec_cell(None, "zstd", None) == "zstd"
