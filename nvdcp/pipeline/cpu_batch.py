@@ -28,7 +28,10 @@ import torch
 from nvdcp._native import load_function
 from nvdcp.codecs.base import Codec
 from nvdcp.format.crc import checksum_ranges
+from nvdcp.format.dtypes import code_dtype
 from nvdcp.format.header import (
+    DELTA_ITEM_VERSION,
+    FLAG_XOR_BASE,
     FULL_ITEM_VERSION,
     ITEM_FIXED_SIZE,
     ITEM_MAGIC,
@@ -52,10 +55,17 @@ from nvdcp.pipeline.cpu import (
     split_planes,
 )
 from nvdcp.pipeline.policy import Layout
+from nvdcp.pipeline.tensors import tensor_to_host_bytes
+from nvdcp.transform import delta as delta_transform
 
 _FORMAT_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "format")
 _CRC_SIZE = 4
 _ENTRY_SIZE = 8  # a chunk table entry: u32 stored bytes, u32 CRC32C
+_DELTA_FIELDS = 8  # a v2 record's base digest and delta kind (u32 each), after the fixed fields
+
+
+def _element_size(dtype_code: int) -> int:
+    return torch.empty((), dtype=code_dtype(dtype_code, "")).element_size()
 
 
 @functools.cache
@@ -99,9 +109,10 @@ def _exclusive_cumsum(values: np.ndarray) -> np.ndarray:
 
 
 @functools.cache
-def _fixed_struct(ndim: int, n_planes: int) -> struct.Struct:
-    """The header's fixed fields, shape and plane codecs (padded to 4) of a v1 record."""
-    return struct.Struct(f"<4sHBBBBBBIQI{ndim}Q{n_planes}B{(-n_planes) % 4}x")
+def _fixed_struct(ndim: int, n_planes: int, delta: bool = False) -> struct.Struct:
+    """The header's fixed fields, shape and plane codecs (padded to 4) of a v1 record; with
+    ``delta``, of a v2 record (base digest and delta kind between the fixed fields and shape)."""
+    return struct.Struct(f"<4sHBBBBBBIQI{'II' if delta else ''}{ndim}Q{n_planes}B{(-n_planes) % 4}x")
 
 
 def encode_tensor_batch(
@@ -196,23 +207,38 @@ def _compress(chunks: _Chunks, codecs: list[Codec | None], threads: int) -> None
         chunks.sources.append(np.frombuffer(b"".join(streams), dtype=np.uint8))
 
 
-def _encode_group(tensors: list[torch.Tensor], dtype_code: int, layout: Layout, cb: int, threads: int) -> list[EncodedItem]:
-    element_size = tensors[0].element_size()
+@dataclass(frozen=True)
+class _Deltas:
+    """What makes a group's records deltas (v2 headers): each item's base digest, the group's
+    delta kind, and whether each item's difference was all zero (``EncodedItem.unchanged``)."""
+
+    digests: list[int]
+    kind: int
+    unchanged: list[bool]
+
+
+def _encode_group(tensors: list[torch.Tensor], dtype_code: int, layout: Layout, cb: int, threads: int,
+                  deltas: _Deltas | None = None, shapes: list[tuple[int, ...]] | None = None) -> list[EncodedItem]:
+    """Records of ``tensors`` (one dtype); with ``deltas``, ``tensors`` are the items'
+    differences from their bases (uint8, as :func:`~nvdcp.transform.delta.encode_np` makes
+    them) and ``shapes`` the items' shapes."""
+    element_size = tensors[0].element_size() if deltas is None else _element_size(dtype_code)
     n_planes = element_size if layout.transform == TRANSFORM_BYTEPLANES else 1
     ids = layout_codec_ids(layout.plane_codecs)
     assert len(ids) == n_planes, f"layout {layout} for {n_planes} planes"
     k = len(tensors)
-    raw = np.fromiter((t.numel() for t in tensors), dtype=np.int64, count=k) * element_size
+    raw = np.fromiter((t.numel() * t.element_size() for t in tensors), dtype=np.int64, count=k)
     plane_bytes = raw // n_planes  # each item's bytes in every plane
     chunks = _chunk_plan(_planes(tensors, n_planes, plane_bytes), plane_bytes, cb)
-    sparse = float_planes(KIND_TENSOR, dtype_code, layout.transform)
+    # difference planes are mostly zero bytes and short runs, like float sign+exponent planes
+    sparse = deltas is not None or float_planes(KIND_TENSOR, dtype_code, layout.transform)
     _compress(chunks, plane_encoders(layout.plane_codecs, n_planes, sparse), threads)
 
     # Record layout: header (its chunk table at ``table_at``), then the item's chunks.
-    shapes = [tuple(t.shape) for t in tensors]
+    shapes = shapes if shapes is not None else [tuple(t.shape) for t in tensors]
     ndims = np.fromiter(map(len, shapes), dtype=np.int64, count=k)
     n_chunks = np.bincount(chunks.item, minlength=k)
-    table_at = ITEM_FIXED_SIZE + 8 * ndims + n_planes + (-n_planes) % 4
+    table_at = ITEM_FIXED_SIZE + (_DELTA_FIELDS if deltas is not None else 0) + 8 * ndims + n_planes + (-n_planes) % 4
     header_bytes = table_at + _ENTRY_SIZE * n_chunks + _CRC_SIZE
     stored_cum = _exclusive_cumsum(chunks.stored)
     first_chunk = _exclusive_cumsum(n_chunks)
@@ -228,27 +254,66 @@ def _encode_group(tensors: list[torch.Tensor], dtype_code: int, layout: Layout, 
     entry_pos = (start + table_at - _ENTRY_SIZE * first_chunk[:-1])[chunks.item] + _ENTRY_SIZE * np.arange(len(table))
     out[entry_pos[:, None] + np.arange(_ENTRY_SIZE)] = table.view(np.uint8).reshape(-1, _ENTRY_SIZE)
     view = out.data
-    for shape, at, size, nbytes in zip(shapes, start.tolist(), header_bytes.tolist(), raw.tolist()):
-        _fixed_struct(len(shape), n_planes).pack_into(
-            view, at, ITEM_MAGIC, FULL_ITEM_VERSION, KIND_TENSOR, dtype_code, layout.transform, n_planes,
-            len(shape), 0, cb, nbytes, size, *shape, *ids,
-        )
+    if deltas is None:
+        for shape, at, size, nbytes in zip(shapes, start.tolist(), header_bytes.tolist(), raw.tolist()):
+            _fixed_struct(len(shape), n_planes).pack_into(
+                view, at, ITEM_MAGIC, FULL_ITEM_VERSION, KIND_TENSOR, dtype_code, layout.transform, n_planes,
+                len(shape), 0, cb, nbytes, size, *shape, *ids,
+            )
+    else:
+        for shape, at, size, nbytes, digest in zip(shapes, start.tolist(), header_bytes.tolist(), raw.tolist(),
+                                                   deltas.digests):
+            _fixed_struct(len(shape), n_planes, True).pack_into(
+                view, at, ITEM_MAGIC, DELTA_ITEM_VERSION, KIND_TENSOR, dtype_code, layout.transform, n_planes,
+                len(shape), FLAG_XOR_BASE, cb, nbytes, size, digest, deltas.kind, *shape, *ids,
+            )
     header_crcs = checksum_ranges(out, start, header_bytes - _CRC_SIZE, threads)
     crc_at = start + header_bytes - _CRC_SIZE
     out[crc_at[:, None] + np.arange(_CRC_SIZE)] = header_crcs.astype("<u4").view(np.uint8).reshape(-1, _CRC_SIZE)
 
     records = []
-    for shape, at, size, end, c0, c1, nbytes, crc in zip(
+    for i, (shape, at, size, end, c0, c1, nbytes, crc) in enumerate(zip(
         shapes, start.tolist(), header_bytes.tolist(), record_off[1:].tolist(), first_chunk[:-1].tolist(),
         first_chunk[1:].tolist(), raw.tolist(), header_crcs.tolist(),
-    ):
+    )):
         header = ItemHeader(
             kind=KIND_TENSOR, dtype_code=dtype_code, shape=shape, raw_nbytes=nbytes, transform=layout.transform,
             plane_codecs=ids, chunks=ChunkTable.of_array(table[c0:c1]), chunk_bytes=cb, header_bytes=size,
-            stored_crc=crc,
+            stored_crc=crc, base_digest=deltas.digests[i] if deltas is not None else None,
+            delta_kind=deltas.kind if deltas is not None else 0,
         )
-        records.append(EncodedItem(header, bytes(view[at : at + size]), [view[at + size : end]], record=view[at:end]))
+        records.append(EncodedItem(header, bytes(view[at : at + size]), [view[at + size : end]],
+                                   unchanged=deltas is not None and deltas.unchanged[i], record=view[at:end]))
     return records
+
+
+def encode_delta_batch(
+    tensors: Sequence[torch.Tensor], bases: Sequence[np.ndarray], base_digests: Sequence[int],
+    dtype_codes: Sequence[int], layout_of: Callable[[torch.dtype], Layout | None], chunk_bytes: int, threads: int = 1,
+) -> list[EncodedItem]:
+    """Delta records of host tensors against their bases (``bases[i]``: the base item's raw
+    bytes, tensor ``i``'s size; ``base_digests[i]``: its record digest), in order: each item's
+    difference taken (:func:`~nvdcp.transform.delta.encode_np`), then those of one dtype encoded
+    together as :func:`encode_tensor_batch` does. ``layout_of(dtype)``: the delta layout
+    (:func:`~nvdcp.pipeline.policy.choose_delta_layout`). Every plane is compressed, chunks that
+    do not shrink stored raw (the one-by-one encoder also stores a plane raw without trying its
+    other chunks when its first chunk does not shrink: the same bytes or fewer here, and the
+    same decoded values). Whether a delta pays is the caller's to decide."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    out: list[EncodedItem | None] = [None] * len(tensors)
+    for dtype, members in by_dtype.items():
+        layout = layout_of(dtype)
+        assert layout is not None, f"no delta layout for {dtype}"
+        kind, size = delta_transform.kind_for(dtype), torch.empty((), dtype=dtype).element_size()
+        diffs = [delta_transform.encode_np(tensor_to_host_bytes(tensors[i]), bases[i], kind, size) for i in members]
+        deltas = _Deltas([base_digests[i] for i in members], kind, [not d.any() for d in diffs])
+        records = _encode_group([torch.from_numpy(d) for d in diffs], dtype_codes[members[0]], layout, chunk_bytes,
+                                threads, deltas, [tuple(tensors[i].shape) for i in members])
+        for i, record in zip(members, records):
+            out[i] = record
+    return out  # type: ignore[return-value]
 
 
 # -- loading: a batch of records parsed, checked and decoded in arrays ---------------------------

@@ -36,7 +36,7 @@ from nvdcp.gpu import gpu_available
 from nvdcp.gpu.config import GpuConfig
 from nvdcp.pipeline.config import EncodeConfig
 from nvdcp.pipeline.cpu import EncodedItem, encode_item
-from nvdcp.pipeline.cpu_batch import encode_tensor_batch
+from nvdcp.pipeline.cpu_batch import encode_delta_batch, encode_tensor_batch
 from nvdcp.pipeline.delta import DeltaInput, DeltaTensor
 from nvdcp.pipeline.policy import GPU_AUTO_CODEC, choose_delta_layout, choose_layout
 from nvdcp.pipeline.tensors import flat_bytes, plain, tensor_to_host_bytes
@@ -318,26 +318,67 @@ class ItemEncoder:
                 yield job.key, encoded
 
     def _encode_small(self, keys: list[Any], datas: list[ItemData], describe: Callable[[Any], str]) -> list[EncodedItem]:
-        """One batch of small items (on a codec thread): host tensors stored whole are encoded
-        together (:func:`~nvdcp.pipeline.cpu_batch.encode_tensor_batch`: per-item work in
-        arrays), the rest (deltas, byte blobs, GPU-only codecs) one by one."""
-        together = [] if self.config.gpu_only else [
-            i for i, d in enumerate(datas) if isinstance(d, torch.Tensor) and d.device.type == "cpu"
-        ]
+        """One batch of small items (on a codec thread): host tensors are encoded together
+        (:mod:`nvdcp.pipeline.cpu_batch`: per-item work in arrays), those saved against a base
+        as deltas (:meth:`_encode_small_deltas`); the rest (byte blobs, GPU-only codecs) one by one."""
         out: list[EncodedItem | None] = [None] * len(datas)
-        if together:
-            tensors: list[torch.Tensor] = [datas[i] for i in together]  # type: ignore[misc]
-            codes = _dtype_codes(tensors, [keys[i] for i in together], describe)
-            records = encode_tensor_batch(
-                tensors, codes, functools.partial(choose_layout, codec=self.config.codec), self.config.chunk_bytes,
-                self.config.threads,
-            )
-            for i, record in zip(together, records):
-                out[i] = record
+        if not self.config.gpu_only:
+            host = [i for i, d in enumerate(datas) if _host_tensor(d) is not None]
+            deltas = [i for i in host if self._delta_layout_of(datas[i]) is not None]
+            whole = sorted(set(host) - set(deltas))
+            if whole:
+                for i, record in zip(whole, self._encode_small_whole([_host_tensor(datas[i]) for i in whole],  # type: ignore[misc]
+                                                                      [keys[i] for i in whole], describe)):
+                    out[i] = record
+            if deltas:
+                got = self._encode_small_deltas([keys[i] for i in deltas], [datas[i] for i in deltas], describe)  # type: ignore[misc]
+                for i, record in zip(deltas, got):
+                    out[i] = record
+            for i in host:  # every base is read by now: kept bytes may overwrite it
+                if isinstance(datas[i], DeltaTensor) and datas[i].delta.keep is not None:  # type: ignore[union-attr]
+                    datas[i].delta.keep.numpy()[:] = tensor_to_host_bytes(datas[i].tensor)  # type: ignore[union-attr]
         for i, (key, data) in enumerate(zip(keys, datas)):
             if out[i] is None:
                 out[i] = self._encode_cpu(data, key, describe)
         return out  # type: ignore[return-value]
+
+    def _encode_small_whole(self, tensors: list[torch.Tensor], keys: list[Any], describe: Callable[[Any], str],
+                            ) -> list[EncodedItem]:
+        codes = _dtype_codes(tensors, keys, describe)
+        return encode_tensor_batch(
+            tensors, codes, functools.partial(choose_layout, codec=self.config.codec), self.config.chunk_bytes,
+            self.config.threads,
+        )
+
+    def _delta_layout_of(self, data: ItemData) -> Any:
+        """The delta layout of an item saved against a base, None when it is stored whole."""
+        if not isinstance(data, DeltaTensor) or data.delta.base is None:
+            return None
+        return choose_delta_layout(data.tensor.dtype, self.config.codec)
+
+    def _encode_small_deltas(self, keys: list[Any], datas: list[DeltaTensor], describe: Callable[[Any], str],
+                             ) -> list[EncodedItem]:
+        """Small host items saved against their bases, together: their deltas
+        (:func:`~nvdcp.pipeline.cpu_batch.encode_delta_batch`), then, as :meth:`encode_tensor`
+        decides one at a time, the items stored whole where a delta does not pay (or the item's
+        whole size is unknown, as after a base read back from storage)."""
+        tensors = [d.tensor for d in datas]
+        codes = _dtype_codes(tensors, keys, describe)
+        records = encode_delta_batch(
+            tensors, [d.delta.base.numpy() for d in datas],  # type: ignore[union-attr]
+            [d.delta.base_digest for d in datas], codes,  # type: ignore[misc]
+            functools.partial(choose_delta_layout, codec=self.config.codec), self.config.chunk_bytes, self.config.threads,
+        )
+        retry = [i for i, (d, r) in enumerate(zip(datas, records)) if d.delta.whole_nbytes is None or not d.delta.pays(r.nbytes)]
+        if retry:
+            wholes = self._encode_small_whole([tensors[i] for i in retry], [keys[i] for i in retry], describe)
+            for i, whole in zip(retry, wholes):
+                delta = datas[i].delta
+                if delta.on_whole is not None:
+                    delta.on_whole(whole.nbytes)
+                if records[i].nbytes > whole.nbytes * (1 - delta.min_gain):
+                    records[i] = whole
+        return records
 
     def _encode_cpu(
         self, data: ItemData, key: Any, describe: Callable[[Any], str], pool: ThreadPoolExecutor | None = None,
@@ -451,6 +492,12 @@ def descriptor_codec(encoded: EncodedItem) -> str:
 
     ids = [c for c in encoded.header.plane_codecs if c != 0]
     return codec_name(ids[0]) if ids else "none"
+
+
+def _host_tensor(data: ItemData) -> torch.Tensor | None:
+    """The host tensor of a small item (a plain one, or one saved against a base), else None."""
+    tensor = data.tensor if isinstance(data, DeltaTensor) else data
+    return tensor if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu" else None
 
 
 def _dtype_codes(tensors: list[torch.Tensor], keys: list[Any], describe: Callable[[Any], str]) -> list[int]:

@@ -238,3 +238,38 @@ def test_which_host_bound_records_auto_decodes_on_the_cpu() -> None:
         assert reader_module._host_decodes_faster(info) is expected, (codec, length)
     delta = _StorageInfo("f", 0, small, descriptor.descriptors("zstd", 2))
     assert reader_module._host_decodes_faster(delta) is False  # deltas: rebuilt on their own path
+
+
+def test_small_deltas_encode_together_and_load_bit_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small host items of a delta save (and of the full save that keeps their bytes) go through
+    the batch encoder, never one by one; deltas that pay are deltas, an item changed wholesale is
+    stored whole, and the chain loads bit-exactly."""
+    from nvdcp.dcp import descriptor
+
+    calls: list[str] = []
+    original = encoder_module.ItemEncoder.encode_tensor
+
+    def counting(self: Any, tensor: torch.Tensor, where: str, *args: Any, **kwargs: Any) -> Any:
+        calls.append(where)
+        return original(self, tensor, where, *args, **kwargs)
+
+    monkeypatch.setattr(encoder_module.ItemEncoder, "encode_tensor", counting)
+    policy = nvdcp.DeltaPolicy(full_every=4, min_item_bytes=0)
+    sd = {f"p{i}": weights_like((300, 20), seed=i) for i in range(40)}
+    sd["b16"] = weights_like((64, 64), torch.bfloat16, seed=99)
+    saved = []
+    for step in range(3):
+        save(sd, tmp_path / f"s{step}", delta=policy)
+        saved.append({k: v.clone() for k, v in sd.items()})
+        g = torch.Generator().manual_seed(step)
+        for v in sd.values():
+            v.add_((torch.randn(v.shape, generator=g) * 1e-4).to(v.dtype))
+        sd["p7"].copy_(weights_like((300, 20), seed=1000 + step))  # changed wholesale: no delta pays
+    assert calls == []
+    md = nvdcp.NvcompReader(tmp_path / "s2").read_metadata().storage_data
+    kinds = {ix.fqn: descriptor.is_delta(info) for ix, info in md.items()}
+    assert kinds["p0"] and kinds["b16"] and not kinds["p7"]
+    for step, expected in enumerate(saved):
+        back = empty_like_sd(expected)
+        load(back, tmp_path / f"s{step}")
+        _check(expected, back)

@@ -167,3 +167,52 @@ def test_a_frame_that_decodes_to_another_size_is_a_value_error() -> None:
     damaged[parsed.starts[j] + 4 : parsed.starts[j] + parsed.sizes[j]] = 0xFF
     with pytest.raises(ValueError):
         cpu_batch.decode_records(damaged, parsed, [np.empty(h.raw_nbytes, dtype=np.uint8) for h in parsed.headers])
+
+
+# -- deltas encoded together ---------------------------------------------------------------------
+def _delta_cases(seed: int = 0) -> tuple[list[torch.Tensor], list[np.ndarray]]:
+    """Tensors and their bases' bytes: small updates, no change, a wholesale change, other dtypes."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = [t for t in _mixed(seed) if t.numel() and not t.is_complex()]
+    bases = []
+    for i, t in enumerate(tensors):
+        if t.is_floating_point() and i % 3 == 0:
+            base = (t.float() + torch.randn(t.shape, generator=g) * 1e-3).to(t.dtype)  # small update
+        elif i % 3 == 1:
+            base = t.clone()  # unchanged
+        else:
+            base = torch.from_numpy(np.random.default_rng(i).integers(0, 256, t.numel() * t.element_size(),
+                                                                       dtype=np.uint8)).view(t.dtype).view(t.shape)
+        bases.append(tensor_to_host_bytes(base).copy())
+    return tensors, bases
+
+
+@pytest.mark.parametrize("chunk_bytes", [DEFAULT_CHUNK_BYTES, 4096])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_delta_batch_records_decode_to_the_items_and_match_encode_item(chunk_bytes: int, threads: int) -> None:
+    """Each record is a valid v2 delta record: its header as encode_item's (base digest, delta
+    kind, shape, chunk sizes at most encode_item's), and applied to its base it gives the item."""
+    from nvdcp.pipeline.policy import choose_delta_layout
+    from nvdcp.transform import delta as delta_transform
+
+    tensors, bases = _delta_cases()
+    digests = [1000 + i for i in range(len(tensors))]
+    layout_of = functools.partial(choose_delta_layout, codec="zstd")
+    records = cpu_batch.encode_delta_batch(tensors, bases, digests, [dtype_code(t.dtype) for t in tensors],
+                                           layout_of, chunk_bytes, threads)
+    for t, base, digest, rec in zip(tensors, bases, digests, records):
+        raw, kind = tensor_to_host_bytes(t), delta_transform.kind_for(t.dtype)
+        ref = encode_item(raw, kind=KIND_TENSOR, dtype_code=dtype_code(t.dtype), shape=tuple(t.shape),
+                          element_size=t.element_size(), layout=layout_of(t.dtype), pool=None,
+                          chunk_bytes=chunk_bytes, base=base, base_digest=digest, delta_kind=kind)
+        whole = memoryview(bytes(rec.record))
+        parsed = parse_item_header(whole, "x")
+        assert parsed == rec.header and parsed.is_delta and parsed.base_digest == digest
+        assert parsed.delta_kind == kind and parsed.shape == tuple(t.shape) and parsed.raw_nbytes == raw.size
+        assert len(parsed.chunks) == len(ref.header.chunks)
+        assert np.all(parsed.chunks.sizes <= ref.header.chunks.sizes), f"{t.dtype}"
+        assert rec.unchanged == ref.unchanged == bool(np.array_equal(raw, base))
+        _, diff = decode_item(whole, "x", None, t.element_size())
+        value = base.copy()
+        delta_transform.apply_np(value, diff, kind, t.element_size())
+        assert np.array_equal(value, raw), f"{t.dtype} {tuple(t.shape)}"
