@@ -46,6 +46,7 @@ from nvdcp.format.header import (
     ItemHeader,
 )
 from nvdcp.pipeline.cpu import (
+    PROBE_MIN_GAIN,
     EncodedItem,
     float_planes,
     layout_codec_ids,
@@ -293,12 +294,13 @@ def encode_delta_batch(
 ) -> list[EncodedItem]:
     """Delta records of host tensors against their bases (``bases[i]``: the base item's raw
     bytes, tensor ``i``'s size; ``base_digests[i]``: its record digest), in order: each item's
-    difference taken (:func:`~nvdcp.transform.delta.encode_np`), then those of one dtype encoded
-    together as :func:`encode_tensor_batch` does. ``layout_of(dtype)``: the delta layout
-    (:func:`~nvdcp.pipeline.policy.choose_delta_layout`). Every plane is compressed, chunks that
-    do not shrink stored raw (the one-by-one encoder also stores a plane raw without trying its
-    other chunks when its first chunk does not shrink: the same bytes or fewer here, and the
-    same decoded values). Whether a delta pays is the caller's to decide."""
+    difference taken (:func:`~nvdcp.transform.delta.encode_np`), then encoded together with the
+    items of its dtype whose planes compress alike, as :func:`encode_tensor_batch` does.
+    ``layout_of(dtype)``: the delta layout (:func:`~nvdcp.pipeline.policy.choose_delta_layout`).
+    As :func:`~nvdcp.pipeline.cpu.encode_item` does, a plane whose sample does not shrink is
+    stored raw without trying its chunks (a float difference's low mantissa bytes: trying them
+    took most of the codec time); the sample is each plane's first ``PROBE_BYTES`` here, its
+    first chunk there. Whether a delta pays is the caller's to decide."""
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
         by_dtype.setdefault(t.dtype, []).append(i)
@@ -307,13 +309,48 @@ def encode_delta_batch(
         layout = layout_of(dtype)
         assert layout is not None, f"no delta layout for {dtype}"
         kind, size = delta_transform.kind_for(dtype), torch.empty((), dtype=dtype).element_size()
+        n_planes = size if layout.transform == TRANSFORM_BYTEPLANES else 1
         diffs = [delta_transform.encode_np(tensor_to_host_bytes(tensors[i]), bases[i], kind, size) for i in members]
-        deltas = _Deltas([base_digests[i] for i in members], kind, [not d.any() for d in diffs])
-        records = _encode_group([torch.from_numpy(d) for d in diffs], dtype_codes[members[0]], layout, chunk_bytes,
-                                threads, deltas, [tuple(tensors[i].shape) for i in members])
-        for i, record in zip(members, records):
-            out[i] = record
+        compressed = _probe(diffs, n_planes, plane_encoders(layout.plane_codecs, n_planes, True), threads)
+        by_layout: dict[tuple[str, ...], list[int]] = {}
+        for j, pays in enumerate(compressed):
+            names = tuple(name if ok else "none" for name, ok in zip(layout.plane_codecs, pays))
+            by_layout.setdefault(names, []).append(j)
+        for names, js in by_layout.items():
+            items = [members[j] for j in js]
+            deltas = _Deltas([base_digests[i] for i in items], kind, [not diffs[j].any() for j in js])
+            records = _encode_group([torch.from_numpy(diffs[j]) for j in js], dtype_codes[items[0]],
+                                    Layout(layout.transform, names), chunk_bytes, threads, deltas,
+                                    [tuple(tensors[i].shape) for i in items])
+            for i, record in zip(items, records):
+                out[i] = record
     return out  # type: ignore[return-value]
+
+
+#: Bytes of each plane of a delta :func:`encode_delta_batch` compresses to decide whether the
+#: plane is worth compressing (at least ``PROBE_MIN_GAIN`` smaller, as the one-by-one encoder).
+PROBE_BYTES = 4096
+
+
+def _probe(diffs: list[np.ndarray], n_planes: int, codecs: list[Codec | None], threads: int) -> list[tuple[bool, ...]]:
+    """Per item, per plane: whether the plane's first ``PROBE_BYTES`` shrink by ``PROBE_MIN_GAIN``
+    under its codec (False for planes without one), each plane's samples compressed in one call."""
+    firsts = [min(d.size // n_planes, PROBE_BYTES) for d in diffs]
+    samples = np.zeros((n_planes, sum(firsts)), dtype=np.uint8)
+    at = 0
+    for d, m in zip(diffs, firsts):
+        samples[:, at : at + m] = split_planes(np.ascontiguousarray(d[: m * n_planes]), n_planes)
+        at += m
+    lengths = np.asarray(firsts, dtype=np.int64)
+    offsets = _exclusive_cumsum(lengths)[:-1]
+    pays = np.zeros((len(diffs), n_planes), dtype=bool)
+    for p, codec in enumerate(codecs):
+        if codec is None:
+            continue
+        streams = codec.encode_ranges(samples[p], offsets, lengths, threads)
+        stored = np.fromiter(map(len, streams), dtype=np.int64, count=len(diffs))
+        pays[:, p] = stored <= lengths * (1 - PROBE_MIN_GAIN)
+    return [tuple(row) for row in pays.tolist()]
 
 
 # -- loading: a batch of records parsed, checked and decoded in arrays ---------------------------
