@@ -508,22 +508,23 @@ class GpuEncoder:
         ``DELTA_RUN_BYTES`` (the bucket's budget counts two temporaries per delta block), the
         others ``SMALL_SPLIT_BYTES``."""
         c = self.chunk_bytes
-        open_runs: dict[tuple[torch.dtype, int, bool], tuple[list[tuple[GpuJob, int]], list[int]]] = {}
+        runs: dict[tuple[torch.dtype, int, bool], list[tuple[GpuJob, int]]] = {}
+        sizes: dict[tuple[torch.dtype, int, bool], int] = {}
         for seg in bucket.segments:
             job = jobs[seg.job]
             if not _runnable(job, seg, c):
                 continue
             key = (job.dtype, job.layout.transform, job.delta is not None)
             cap = DELTA_RUN_BYTES if job.delta is not None else SMALL_SPLIT_BYTES
-            run, size = open_runs.setdefault(key, ([], [0]))
-            if run and size[0] + job.data.numel() > cap:
+            run = runs.setdefault(key, [])
+            if run and sizes[key] + job.data.numel() > cap:
                 yield run
-                run, size = open_runs[key] = ([], [0])
+                run = runs[key] = []
+            if not run:
+                sizes[key] = 0
             run.append((job, seg.first_slot))
-            size[0] += job.data.numel()
-        for run, _ in open_runs.values():
-            if run:
-                yield run
+            sizes[key] += job.data.numel()
+        yield from (run for run in runs.values() if run)
 
     def _launch(self, jobs: list[GpuJob], bucket: _Bucket, parity: int) -> _Launched:
         import nvidia.nvcomp as nv  # here, not at import: the packing helpers above run without it

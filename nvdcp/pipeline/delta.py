@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -46,6 +47,14 @@ def default_min_item_bytes() -> int:
     return parsed
 
 
+class _HasNbytes(Protocol):
+    @property
+    def nbytes(self) -> int: ...
+
+
+_Sized = TypeVar("_Sized", bound=_HasNbytes)
+
+
 @dataclass
 class DeltaInput:
     """What the encoder needs to store one item as a delta (or whole, and keep its bytes).
@@ -70,6 +79,18 @@ class DeltaInput:
     def pays(self, delta_nbytes: int) -> bool:
         """Whether a delta record of ``delta_nbytes`` is worth keeping over the item stored whole."""
         return self.whole_nbytes is None or delta_nbytes <= self.whole_nbytes * (1 - self.min_gain)
+
+    def wants_whole(self, delta_nbytes: int) -> bool:
+        """Whether the item must also be encoded whole to decide: its whole size is unknown (a
+        base read back from storage) or the delta of ``delta_nbytes`` does not pay against it."""
+        return self.whole_nbytes is None or not self.pays(delta_nbytes)
+
+    def choose(self, delta_record: _Sized, whole_record: _Sized) -> _Sized:
+        """The record to store once the item was encoded both ways (:meth:`wants_whole`): the
+        delta when it is at least ``min_gain`` smaller. Tells ``on_whole`` the whole size."""
+        if self.on_whole is not None:
+            self.on_whole(whole_record.nbytes)
+        return whole_record if delta_record.nbytes > whole_record.nbytes * (1 - self.min_gain) else delta_record
 
 
 @dataclass

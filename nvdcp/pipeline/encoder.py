@@ -176,13 +176,8 @@ class ItemEncoder:
             assert delta is not None and delta.base is not None
             encoded = encode(layout=layout, base=delta.base.numpy(), base_digest=delta.base_digest,
                              delta_kind=delta_transform.kind_for(tensor.dtype))
-            if delta.whole_nbytes is None or not delta.pays(encoded.nbytes):
-                # its whole size unknown (a base read back from storage) or the delta too large
-                whole = encode(layout=choose_layout(tensor.dtype, codec))
-                if delta.on_whole is not None:
-                    delta.on_whole(whole.nbytes)
-                if encoded.nbytes > whole.nbytes * (1 - delta.min_gain):
-                    encoded = whole
+            if delta.wants_whole(encoded.nbytes):
+                encoded = delta.choose(encoded, encode(layout=choose_layout(tensor.dtype, codec)))
         if delta is not None and delta.keep is not None:
             delta.keep.numpy()[:] = raw  # after the XOR read the base there
         return encoded
@@ -369,15 +364,11 @@ class ItemEncoder:
             [d.delta.base_digest for d in datas], codes,  # type: ignore[misc]
             functools.partial(choose_delta_layout, codec=self.config.codec), self.config.chunk_bytes, self.config.threads,
         )
-        retry = [i for i, (d, r) in enumerate(zip(datas, records)) if d.delta.whole_nbytes is None or not d.delta.pays(r.nbytes)]
+        retry = [i for i, (d, r) in enumerate(zip(datas, records)) if d.delta.wants_whole(r.nbytes)]
         if retry:
             wholes = self._encode_small_whole([tensors[i] for i in retry], [keys[i] for i in retry], describe)
             for i, whole in zip(retry, wholes):
-                delta = datas[i].delta
-                if delta.on_whole is not None:
-                    delta.on_whole(whole.nbytes)
-                if records[i].nbytes > whole.nbytes * (1 - delta.min_gain):
-                    records[i] = whole
+                records[i] = datas[i].delta.choose(records[i], whole)
         return records
 
     def _encode_cpu(
