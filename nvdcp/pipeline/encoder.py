@@ -330,8 +330,9 @@ class ItemEncoder:
                 for i, record in zip(deltas, got):
                     out[i] = record
             for i in host:  # every base is read by now: kept bytes may overwrite it
-                if isinstance(datas[i], DeltaTensor) and datas[i].delta.keep is not None:  # type: ignore[union-attr]
-                    datas[i].delta.keep.numpy()[:] = tensor_to_host_bytes(datas[i].tensor)  # type: ignore[union-attr]
+                data = datas[i]
+                if isinstance(data, DeltaTensor) and data.delta.keep is not None:
+                    data.delta.keep.numpy()[:] = tensor_to_host_bytes(data.tensor)
         for i, (key, data) in enumerate(zip(keys, datas)):
             if out[i] is None:
                 out[i] = self._encode_cpu(data, key, describe)
