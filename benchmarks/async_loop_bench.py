@@ -308,9 +308,15 @@ def _checkpoint_bytes(variant: Variant) -> int:
 
 
 def verify(variant: Variant, loop: Loop) -> bool:
-    """One more save; the state is overwritten in place before the staging wait; load it back."""
+    """One more save; the state is overwritten in place before the staging wait (nvdcp's stager
+    has its copy by then), or right after it for torch's DefaultStager, whose contract asks the
+    caller to leave the state alone until ``staging_completion``: it copies in a background
+    thread, and a change before that is a torn checkpoint, not a measurement (it made this check
+    fail now and then in CI on the CPU config); load it back."""
     want = {k: v.detach().clone() for k, v in loop.model.state_dict().items()}
     response = variant.save(10_000)
+    if variant.stager is None and isinstance(response, AsyncSaveResponse):
+        response.staging_completion.result()
     with torch.no_grad():
         for p in loop.model.parameters():
             p.mul_(-2.0)
