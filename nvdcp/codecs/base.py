@@ -14,12 +14,38 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from nvdcp.errors import CodecUnavailableError
 
 Buffer = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True)
+class DecodedStreams:
+    """What :meth:`Codec.decode_ranges` returns: stream ``i`` decoded at address
+    ``addresses[i]`` (its ``raw_lengths[i]`` bytes), in memory that ``owner`` keeps alive. Where
+    each stream lies is the codec's business: a batch decoder's own output buffers are used as
+    they are, not copied into one array."""
+
+    addresses: np.ndarray  # int64
+    owner: Any
+
+    @classmethod
+    def back_to_back(cls, out: np.ndarray, raw_lengths: np.ndarray) -> DecodedStreams:
+        """Streams decoded one after the other into ``out`` (contiguous uint8)."""
+        starts = np.zeros(len(raw_lengths), dtype=np.int64)
+        np.cumsum(raw_lengths[:-1], out=starts[1:])
+        return cls(out.ctypes.data + starts, out)
+
+    def stream(self, i: int, length: int) -> np.ndarray:
+        """Stream ``i``'s bytes (``length`` of them) as a uint8 array viewing them."""
+        import ctypes
+
+        return np.ctypeslib.as_array((ctypes.c_uint8 * length).from_address(int(self.addresses[i])))
 
 
 class Codec(ABC):
@@ -67,17 +93,17 @@ class Codec(ABC):
         return [self.encode(view[o : o + n]) for o, n in zip(offsets.tolist(), lengths.tolist())]
 
     def decode_ranges(self, buf: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, raw_lengths: np.ndarray,
-                      threads: int = 1) -> np.ndarray:
-        """Decode the streams ``buf[offsets[i] : offsets[i] + lengths[i]]`` back to back into one
-        uint8 array: stream ``i`` to ``raw_lengths[i]`` bytes at ``raw_lengths[:i].sum()``.
-        Raises ``ValueError`` as :meth:`decode` does. This default calls :meth:`decode` per stream."""
+                      threads: int = 1) -> DecodedStreams:
+        """Decode the streams ``buf[offsets[i] : offsets[i] + lengths[i]]`` (stream ``i`` to
+        exactly ``raw_lengths[i]`` bytes). Raises ``ValueError`` as :meth:`decode` does. This
+        default calls :meth:`decode` per stream, back to back into one array."""
         out = np.empty(int(raw_lengths.sum()), dtype=np.uint8)
         view, dst = buf.data, out.data
         at = 0
         for o, n, r in zip(offsets.tolist(), lengths.tolist(), raw_lengths.tolist()):
             self.decode(view[o : o + n], dst[at : at + r])
             at += r
-        return out
+        return DecodedStreams.back_to_back(out, raw_lengths)
 
     @abstractmethod
     def decode(self, data: Buffer, out: memoryview) -> None:

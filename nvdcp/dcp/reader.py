@@ -88,7 +88,7 @@ from nvdcp.pipeline.cpu import (
     describe_chunk,
     verify_chunks,
 )
-from nvdcp.pipeline.cpu_batch import decode_records, parse_records
+from nvdcp.pipeline.cpu_batch import ParsedRecords, decode_records, parse_records
 from nvdcp.pipeline.tensors import tensor_nbytes
 from nvdcp.report import Report
 from nvdcp.storage import Storage, open_storage
@@ -403,18 +403,28 @@ class NvcompReader(StorageReader):
                               ) -> list[tuple[MetadataIndex, ItemHeader, Any]]:
         """Rebuild a group of delta items on the host: each level of their chains read in runs of
         nearby records (one read per run, not per item and level), every record checked, then
-        each item decoded (into its destination when ``targets`` has one) and its deltas applied."""
+        each item decoded (into its destination when ``targets`` has one) and its deltas applied.
+
+        Each level's records are parsed, CRC-checked and decoded together, in arrays
+        (:func:`~nvdcp.pipeline.cpu_batch.parse_records`, :func:`~nvdcp.pipeline.cpu_batch.decode_records`);
+        a level that does not parse that way (damage) is checked record by record, which names
+        the problem, and the group is then decoded item by item."""
         t0 = time.perf_counter()
         chains: dict[MetadataIndex, list[_Level]] = {ix: [] for ix in indexes}
+        batches: list[_LevelBatch] | None = []
         reader, pending = self, list(indexes)
         while pending:
             places = [reader._place(ix) for ix in pending]
-            for index, place, record in zip(pending, places, reader._read_record_runs(places)):
-                where = cast(str, _LazyWhere(reader, index))  # formatted only into an error message
-                if record is None:
-                    with _naming_item(where):
-                        record = memoryview(reader.storage.read_range(*place))
-                reader._check_level(index, record, where, chains[index])
+            buf, starts = reader._read_level(pending, places)
+            lengths = np.fromiter((p[2] for p in places), dtype=np.int64, count=len(places))
+            batch = reader._check_level_batch(pending, buf, starts, lengths, chains)
+            if batch is None:
+                batches = None
+                for index, at, n in zip(pending, starts.tolist(), lengths.tolist()):
+                    where = cast(str, _LazyWhere(reader, index))  # formatted only into an error message
+                    reader._check_level(index, buf[at : at + n].data, where, chains[index])
+            elif batches is not None:
+                batches.append(batch)
             pending = [ix for ix in pending if chains[ix][-1][2].is_delta]
             if pending:
                 base = reader._checked_base(pending[0], chains[pending[0]][-1][3])
@@ -423,13 +433,112 @@ class NvcompReader(StorageReader):
                 reader = base
         t1 = time.perf_counter()
         out: list[tuple[MetadataIndex, ItemHeader, Any]] = []
+        raws = self._decode_level_batches(batches, targets) if batches is not None else None
         for index in indexes:
             found = targets.get(index)
-            header, raw = self._decode_chain(index, chains[index], found[1] if found else None)
+            if raws is not None:
+                header, raw = chains[index][0][2], raws[index]
+            else:
+                header, raw = self._decode_chain(index, chains[index], found[1] if found else None)
             out.append((index, header, _InPlace(found[0]) if found else raw))
         stored = sum(len(record) for chain in chains.values() for _, record, _, _ in chain)
         report.add(sum(h.raw_nbytes for _, h, _ in out), stored, read_s=t1 - t0, decode_s=time.perf_counter() - t1)
         return out
+
+    def _read_level(self, indexes: list[MetadataIndex], places: list[tuple[str, int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """The records at ``places`` (file, offset, length) read into one buffer, one read per
+        run of records of a file within ``RUN_GAP_BYTES`` of each other (up to ``RUN_BYTES``,
+        gaps included): the buffer and each record's offset in it. A run whose read fails is
+        read again record by record, so that the error names the item."""
+        order = sorted(range(len(places)), key=lambda i: places[i][:2])
+        runs: list[tuple[str, int, int, list[int]]] = []  # file, start, end, members
+        for i in order:
+            name, offset, length = places[i]
+            if runs and runs[-1][0] == name and offset - runs[-1][2] <= RUN_GAP_BYTES \
+                    and offset + length - runs[-1][1] <= RUN_BYTES:
+                run = runs[-1]
+                runs[-1] = (name, run[1], max(run[2], offset + length), run[3] + [i])
+            else:
+                runs.append((name, offset, offset + length, [i]))
+        buf = np.empty(sum(end - start for _, start, end, _ in runs), dtype=np.uint8)
+        starts = np.empty(len(places), dtype=np.int64)
+        at = 0
+        for name, start, end, members in runs:
+            try:
+                self.storage.read_into(name, start, [buf[at : at + end - start].data])
+            except (OSError, NvdcpError):
+                for i in members:
+                    with _naming_item(_LazyWhere(self, indexes[i])):
+                        self.storage.read_range(*places[i])
+                raise
+            for i in members:
+                starts[i] = at + places[i][1] - start
+            at += end - start
+        return buf, starts
+
+    def _check_level_batch(self, indexes: list[MetadataIndex], buf: np.ndarray, starts: np.ndarray,
+                           lengths: np.ndarray, chains: dict[MetadataIndex, list[_Level]]) -> _LevelBatch | None:
+        """One level of a group's chains (record ``i`` at ``buf[starts[i]:][:lengths[i]]``)
+        parsed and checked together, in arrays: every check :meth:`_check_level` makes (header,
+        every chunk's CRC32C, decodability, ``.metadata``, the digest the level above records).
+        Appends each record's level to ``chains`` and returns the parsed level; None (``chains``
+        untouched) when a record does not parse or check that way: :meth:`_check_level` then
+        names it. A base item of another digest raises here, as there."""
+        parsed = parse_records(buf, starts, lengths)
+        if parsed is None:
+            return None
+        if len(parsed.sizes) and (checksum_ranges(buf, parsed.starts, parsed.sizes, threads=1) != parsed.crcs).any():
+            return None
+        element_sizes = []
+        try:
+            for index, header in zip(indexes, parsed.headers):
+                dtype, shape = self.expected(index)
+                element_sizes.append(_element_size(dtype))
+                check_decodable(header, element_sizes[-1], "")
+                self._check_against_metadata(header, dtype, shape, element_sizes[-1], "",
+                                             descriptor.is_delta(self._record(index)))
+        except (CorruptCheckpointError, CodecUnavailableError):
+            return None
+        for index, header in zip(indexes, parsed.headers):
+            levels = chains[index]
+            if levels:
+                above, _, above_header, above_where = levels[-1]
+                above._check_base_digest(self, index, above_header, header, above_where)
+        for index, header, at, n in zip(indexes, parsed.headers, starts.tolist(), lengths.tolist()):
+            chains[index].append((self, buf[at : at + n].data, header, cast(str, _LazyWhere(self, index))))
+        return _LevelBatch(self, indexes, buf, starts, lengths, parsed, element_sizes)
+
+    @staticmethod
+    def _decode_level_batches(batches: list[_LevelBatch], targets: dict[MetadataIndex, tuple[torch.Tensor, np.ndarray]],
+                              ) -> dict[MetadataIndex, np.ndarray]:
+        """Decode checked levels (:meth:`_check_level_batch`), deepest first, each in one
+        :func:`~nvdcp.pipeline.cpu_batch.decode_records` call: the records stored whole into
+        their items' destinations (``targets``, else fresh arrays), the deltas into one scratch
+        buffer, then applied to their items, whose bytes stored whole lie deeper and are decoded
+        by then (XOR and modular addition commute: the levels' order does not matter beyond
+        that). Returns each item's raw bytes."""
+        raws: dict[MetadataIndex, np.ndarray] = {}
+        for batch in reversed(batches):
+            headers = batch.parsed.headers
+            scratch = np.empty(sum(h.raw_nbytes for h in headers if h.is_delta), dtype=np.uint8)
+            outs, at = [], 0
+            for index, header in zip(batch.indexes, headers):
+                if header.is_delta:
+                    outs.append(scratch[at : at + header.raw_nbytes])
+                    at += header.raw_nbytes
+                else:
+                    found = targets.get(index)
+                    raws[index] = found[1] if found else np.empty(header.raw_nbytes, dtype=np.uint8)
+                    outs.append(raws[index])
+            try:
+                decode_records(batch.buf, batch.parsed, outs)
+            except ValueError:
+                batch.decode_one_by_one(outs)  # names the record that does not decode
+                raise
+            for index, header, delta, size in zip(batch.indexes, headers, outs, batch.element_sizes):
+                if header.is_delta:
+                    delta_transform.apply_np(raws[index], delta, header.delta_kind, size)
+        return raws
 
     def _require_item(self, index: MetadataIndex, where: str) -> None:
         """A base must hold the item its delta was saved against."""
@@ -1289,6 +1398,28 @@ class NvcompReader(StorageReader):
 
 #: One level of an item's chain: the reader of that checkpoint, the record, its header, its name.
 _Level = tuple["NvcompReader", memoryview, ItemHeader, str]
+
+
+@dataclasses.dataclass
+class _LevelBatch:
+    """One level of a group of delta chains (:meth:`NvcompReader._check_level_batch`): the
+    records of ``indexes`` in ``reader``'s checkpoint, read into ``buf`` (record ``i`` at
+    ``starts[i]``, ``lengths[i]`` bytes), parsed and checked."""
+
+    reader: NvcompReader
+    indexes: list[MetadataIndex]
+    buf: np.ndarray
+    starts: np.ndarray
+    lengths: np.ndarray
+    parsed: ParsedRecords
+    element_sizes: list[int]
+
+    def decode_one_by_one(self, outs: list[np.ndarray]) -> None:
+        """Decode each record on its own (:func:`~nvdcp.pipeline.cpu.decode_item`), which raises
+        naming the first one that does not decode."""
+        for index, header, out, at, n in zip(self.indexes, self.parsed.headers, outs, self.starts.tolist(),
+                                             self.lengths.tolist()):
+            decode_item(self.buf[at : at + n].data, self.reader.where(index), None, out=out, checked=header)
 #: Host-decoded delta items are rebuilt in groups of about this many stored bytes (or items).
 DELTA_GROUP_BYTES = 16 << 20
 DELTA_GROUP_ITEMS = 1024

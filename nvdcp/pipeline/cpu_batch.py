@@ -31,6 +31,7 @@ from nvdcp.format.crc import checksum_ranges
 from nvdcp.format.dtypes import code_dtype
 from nvdcp.format.header import (
     DELTA_ITEM_VERSION,
+    DELTA_KINDS,
     FLAG_XOR_BASE,
     FULL_ITEM_VERSION,
     ITEM_FIXED_SIZE,
@@ -391,17 +392,23 @@ def parse_records(buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> P
     check :func:`~nvdcp.format.header.parse_item_header` makes (magic, version, field ranges, the
     declared header size, the header CRC32C, the chunks against the record's length).
 
-    Returns None when any record is not a version 1 record passing them all: the caller parses
-    those records one by one, which names the problem (or handles the delta records)."""
+    Version 2 (delta) records are parsed too: their headers carry ``base_digest`` and
+    ``delta_kind``; whether a delta is expected where one was found is the caller's to check.
+
+    Returns None when any record does not pass them all: the caller parses those records one by
+    one, which names the problem."""
     k = len(starts)
-    if not k or int((starts + lengths).max()) > buf.size or int(lengths.min()) < ITEM_FIXED_SIZE:
+    if not k or int((starts + lengths).max()) > buf.size or int(lengths.min()) < ITEM_FIXED_SIZE + _DELTA_FIELDS:
+        # (no valid record is shorter: its plane codes, padded, and its CRC follow the fixed fields)
         return None
     fixed = np.ascontiguousarray(_gather_fields(buf, starts, ITEM_FIXED_SIZE)).view(_FIXED).reshape(k)
     kind, transform = fixed["kind"].astype(np.int64), fixed["transform"].astype(np.int64)
     n_planes, ndim = fixed["n_planes"].astype(np.int64), fixed["ndim"].astype(np.int64)
     cb, raw = fixed["chunk_bytes"].astype(np.int64), fixed["raw"]
+    delta = fixed["version"] == DELTA_ITEM_VERSION
     if (
-        (fixed["magic"] != ITEM_MAGIC).any() or (fixed["version"] != FULL_ITEM_VERSION).any() or fixed["flags"].any()
+        (fixed["magic"] != ITEM_MAGIC).any() or ((fixed["version"] != FULL_ITEM_VERSION) & ~delta).any()
+        or (fixed["flags"] != np.where(delta, FLAG_XOR_BASE, 0)).any()
         or (kind > 1).any() or (transform > 1).any() or (n_planes < 1).any() or (n_planes > MAX_PLANES).any()
         or (ndim > MAX_NDIM).any() or (cb < MIN_CHUNK_BYTES).any() or (cb > MAX_CHUNK_BYTES).any()
         or (raw > (1 << 62)).any()
@@ -412,10 +419,15 @@ def parse_records(buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> P
         return None
     blobs = kind == KIND_BYTES
     if blobs.any() and ((n_planes[blobs] != 1) | (transform[blobs] != 0) | (ndim[blobs] != 0)
-                        | (fixed["dtype"][blobs] != 0)).any():
+                        | (fixed["dtype"][blobs] != 0) | delta[blobs]).any():
         return None
+    base_fields = np.ascontiguousarray(_gather_fields(buf, starts + ITEM_FIXED_SIZE, _DELTA_FIELDS)).view("<u4")
+    base_digest, delta_kind = base_fields.reshape(k, 2).T
+    if (delta & ~np.isin(delta_kind, DELTA_KINDS)).any():
+        return None
+    shape_at = ITEM_FIXED_SIZE + _DELTA_FIELDS * delta  # per record, from its start
     n_chunks = n_planes * -(-(raw // n_planes) // cb)
-    table_at = ITEM_FIXED_SIZE + 8 * ndim + n_planes + (-n_planes) % 4
+    table_at = shape_at + 8 * ndim + n_planes + (-n_planes) % 4
     header_bytes = table_at + _ENTRY_SIZE * n_chunks + _CRC_SIZE
     if (fixed["header_bytes"] != header_bytes).any() or (header_bytes > lengths).any():
         return None
@@ -432,22 +444,24 @@ def parse_records(buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> P
         return None
     chunk_item = np.repeat(np.arange(k), n_chunks)
     chunk_starts = (starts + header_bytes - size_cum[first[:-1]])[chunk_item] + size_cum[:-1]
-    shape_values = np.ascontiguousarray(_gather_fields(buf, _ragged(starts + ITEM_FIXED_SIZE, ndim, 8), 8))
+    shape_values = np.ascontiguousarray(_gather_fields(buf, _ragged(starts + shape_at, ndim, 8), 8))
     shapes = shape_values.view("<u8").reshape(-1).tolist()
-    codecs = buf[_ragged(starts + ITEM_FIXED_SIZE + 8 * ndim, n_planes, 1)].tolist()
+    codecs = buf[_ragged(starts + shape_at + 8 * ndim, n_planes, 1)].tolist()
     headers = []
-    shape_at = codec_at = 0
-    for (kd, code, tf, ne, nd, c, r, h, crc, c0, c1) in zip(
+    at_shape = at_codec = 0
+    for (kd, code, tf, ne, nd, c, r, h, crc, c0, c1, is_delta, digest, dk) in zip(
         kind.tolist(), fixed["dtype"].tolist(), transform.tolist(), n_planes.tolist(), ndim.tolist(), cb.tolist(),
         raw.tolist(), header_bytes.tolist(), stored_crc.tolist(), first[:-1].tolist(), first[1:].tolist(),
+        delta.tolist(), base_digest.tolist(), delta_kind.tolist(),
     ):
         headers.append(ItemHeader(
-            kind=kd, dtype_code=code, shape=tuple(shapes[shape_at : shape_at + nd]), raw_nbytes=r, transform=tf,
-            plane_codecs=tuple(codecs[codec_at : codec_at + ne]), chunks=ChunkTable.of_array(table[c0:c1]),
-            chunk_bytes=c, header_bytes=h, stored_crc=crc,
+            kind=kd, dtype_code=code, shape=tuple(shapes[at_shape : at_shape + nd]), raw_nbytes=r, transform=tf,
+            plane_codecs=tuple(codecs[at_codec : at_codec + ne]), chunks=ChunkTable.of_array(table[c0:c1]),
+            chunk_bytes=c, base_digest=digest if is_delta else None, delta_kind=dk if is_delta else 0,
+            header_bytes=h, stored_crc=crc,
         ))
-        shape_at += nd
-        codec_at += ne
+        at_shape += nd
+        at_codec += ne
     return ParsedRecords(headers, sizes, table[:, 1].astype(np.uint32), chunk_starts, first)
 
 
@@ -484,7 +498,7 @@ def decode_records(buf: np.ndarray, parsed: ParsedRecords, outs: Sequence[np.nda
     if (parsed.sizes > block_raw).any():
         raise ValueError("a chunk stores more bytes than it holds")
     pointers = buf.ctypes.data + parsed.starts
-    keep: list[np.ndarray] = []
+    keep: list[object] = []  # the decoded streams' memory, until merged
     compressed = parsed.sizes != block_raw
     if compressed.any():
         ids = np.array([h.plane_codecs[p] for h, p in zip(
@@ -493,8 +507,8 @@ def decode_records(buf: np.ndarray, parsed: ParsedRecords, outs: Sequence[np.nda
         for cid in np.unique(ids).tolist():
             sel = which[ids == cid]
             decoded = plane_cpu_codecs((cid,))[0].decode_ranges(buf, parsed.starts[sel], parsed.sizes[sel], block_raw[sel], threads)
-            keep.append(decoded)
-            pointers[sel] = decoded.ctypes.data + _exclusive_cumsum(block_raw[sel])[:-1]
+            keep.append(decoded.owner)
+            pointers[sel] = decoded.addresses
     out_addr = np.fromiter((o.ctypes.data for o in outs), dtype=np.int64, count=len(outs))
     firsts = local % e == 0  # the first chunk of every block
     dsts = out_addr[chunk_item[firsts]] + block[firsts] * cb[chunk_item[firsts]] * e[firsts]

@@ -59,3 +59,22 @@ def test_only_float_planes_get_the_variant(kind: int, dtype: torch.dtype | None,
     code = dtype_code(dtype) if dtype is not None else 0
     assert cpu.float_planes(kind, code, transform) is sparse
     assert cpu.float_planes(KIND_TENSOR, 250, TRANSFORM_BYTEPLANES) is False  # unknown code: plain settings
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_decode_ranges_finds_every_frame_where_zstd_left_it(threads: int) -> None:
+    """The batch decode hands back each frame's address in zstd's own buffers (one per thread);
+    every stream there equals that frame decoded alone, and a size mismatch is refused."""
+    rng = np.random.default_rng(threads)
+    codec = ZstdCodec()
+    raws = [rng.integers(0, 4 + 60 * (i % 3), 1000 + 997 * i, dtype=np.uint8) for i in range(40)]
+    frames = [codec.encode(r.data) for r in raws]
+    buf = np.frombuffer(b"".join(frames), dtype=np.uint8)
+    lengths = np.array([len(f) for f in frames], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    raw_lengths = np.array([r.size for r in raws], dtype=np.int64)
+    decoded = codec.decode_ranges(buf, offsets, lengths, raw_lengths, threads=threads)
+    for i, raw in enumerate(raws):
+        assert np.array_equal(decoded.stream(i, raw.size), raw), i
+    with pytest.raises(ValueError):
+        codec.decode_ranges(buf, offsets, lengths, raw_lengths + np.eye(40, dtype=np.int64)[7], threads=threads)

@@ -508,6 +508,31 @@ def test_base_item_with_another_digest_is_a_mismatch(tmp_path: Path) -> None:
     _untouched(target, {"w"})
 
 
+def test_delta_frame_that_does_not_decode_is_named(tmp_path: Path) -> None:
+    """A delta record whose CRCs match but whose zstd frame does not decode to its chunk's size
+    (forged: a checksum only finds accidents) fails the batched decode, and the error names it."""
+    sd = {"w": weights_like((256, 300), seed=1), "v": weights_like((100,), seed=2)}
+    save(sd, tmp_path / "a")
+    sd1 = {k: v + 1e-3 for k, v in sd.items()}
+    save(sd1, tmp_path / "b", base=tmp_path / "a")
+    assert "w" in _delta_fqns(tmp_path / "b")
+    f, off, length = item_span(tmp_path / "b", "w")
+    data = bytearray(f.read_bytes())
+    header = parse_item_header(memoryview(data)[off : off + length], "forge")
+    sizes = header.chunks.sizes.tolist()
+    raw_size = min(header.chunk_bytes, header.plane_nbytes)
+    i = next(i for i, n in enumerate(sizes) if n < raw_size)  # a compressed chunk
+    at = off + header.header_bytes + sum(sizes[:i])
+    data[at + 4 : at + sizes[i]] = b"\xff" * (sizes[i] - 4)
+    table = off + header.header_bytes - 4 - 8 * len(sizes)
+    struct.pack_into("<I", data, table + 8 * i + 4, checksum(bytes(data[at : at + sizes[i]])))
+    struct.pack_into("<I", data, off + header.header_bytes - 4, checksum(bytes(data[off : off + header.header_bytes - 4])))
+    f.write_bytes(data)
+    err = _load_error(tmp_path / "b", _sentinel_like(sd1))
+    assert isinstance(err, nvdcp.CorruptCheckpointError), repr(err)
+    assert "'w'" in str(err) and f.name in str(err), str(err)
+
+
 def test_base_items_swapped_in_metadata_is_a_mismatch(tmp_path: Path) -> None:
     """The base's .metadata rebuilt with two same-shaped items swapped (same save id, same
     digest record): each delta item finds a base record of another digest."""
@@ -750,6 +775,13 @@ def test_host_loads_rebuild_deltas_in_groups_of_items_with_chains_of_different_d
     save(sd, tmp_path / "s2", delta=policy)
     # w0: two levels deep; new: one (stored whole in s1); w3: whole in s1 and, skipped, in s2
     assert {"w0", "new"} <= _delta_fqns(tmp_path / "s2") and "w3" not in _delta_fqns(tmp_path / "s1")
+
+    def one_by_one(*args: Any) -> None:
+        raise AssertionError("an undamaged level was checked record by record")
+
+    # each level of a group is parsed, checked and decoded together (the one-by-one checks are
+    # for damaged levels, whose errors they name: the corruption tests above)
+    monkeypatch.setattr(reader_mod.NvcompReader, "_check_level", one_by_one)
     _load_check(tmp_path / "s2", _snapshot(sd))
 
 

@@ -221,3 +221,56 @@ def test_delta_batch_records_decode_to_the_items_and_match_encode_item(chunk_byt
         value = base.copy()
         delta_transform.apply_np(value, diff, kind, t.element_size())
         assert np.array_equal(value, raw), f"{t.dtype} {tuple(t.shape)}"
+
+
+def _delta_records(seed: int = 0) -> tuple[list[torch.Tensor], list[np.ndarray], list[int], np.ndarray, np.ndarray,
+                                           np.ndarray]:
+    """Delta records of the delta cases and v1 records of the mixed tensors, interleaved back
+    to back after a 5-byte lead: a level of a chain where some items are stored whole."""
+    from nvdcp.pipeline.policy import choose_delta_layout
+
+    tensors, bases = _delta_cases(seed)
+    digests = [7 + 3 * i for i in range(len(tensors))]
+    records = cpu_batch.encode_delta_batch(tensors, bases, digests, [dtype_code(t.dtype) for t in tensors],
+                                           functools.partial(choose_delta_layout, codec="zstd"), DEFAULT_CHUNK_BYTES)
+    blobs = []
+    for rec, t in zip(records, tensors):
+        blobs += [bytes(rec.record), _reference(t, "zstd", DEFAULT_CHUNK_BYTES)]
+    lengths = np.array([len(b) for b in blobs], dtype=np.int64)
+    starts = 5 + np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    buf = np.frombuffer(b"\x00" * 5 + b"".join(blobs), dtype=np.uint8).copy()
+    return tensors, bases, digests, buf, starts, lengths
+
+
+def test_delta_records_parse_and_decode_together_with_whole_ones() -> None:
+    """v2 records parse in the same batch as v1 ones, with their base digest and delta kind, and
+    decode to the differences that rebuild each item from its base."""
+    from nvdcp.transform import delta as delta_transform
+
+    tensors, bases, digests, buf, starts, lengths = _delta_records()
+    parsed = cpu_batch.parse_records(buf, starts, lengths)
+    assert parsed is not None
+    for i, (at, n) in enumerate(zip(starts.tolist(), lengths.tolist())):
+        one = parse_item_header(buf[at : at + n].data, "x")
+        assert parsed.headers[i] == one and parsed.headers[i].stored_crc == one.stored_crc
+        assert parsed.headers[i].is_delta == (i % 2 == 0)
+        if i % 2 == 0:
+            assert parsed.headers[i].base_digest == digests[i // 2]
+            assert parsed.headers[i].delta_kind == delta_transform.kind_for(tensors[i // 2].dtype)
+    outs = [np.empty(h.raw_nbytes, dtype=np.uint8) for h in parsed.headers]
+    cpu_batch.decode_records(buf, parsed, outs)
+    for i, t in enumerate(tensors):
+        raw, value = tensor_to_host_bytes(t), bases[i].copy()
+        delta_transform.apply_np(value, outs[2 * i], parsed.headers[2 * i].delta_kind, t.element_size())
+        assert np.array_equal(value, raw) and np.array_equal(outs[2 * i + 1], raw), f"{t.dtype} {tuple(t.shape)}"
+
+
+def test_any_damaged_delta_header_sends_the_batch_to_the_one_by_one_path() -> None:
+    """The base digest, delta kind and flags of a v2 header are checked like every other field."""
+    _, _, _, buf, starts, lengths = _delta_records(seed=1)
+    parsed = cpu_batch.parse_records(buf, starts, lengths)
+    assert parsed is not None and parsed.headers[2].is_delta
+    for at in range(int(starts[2]), int(starts[2]) + parsed.headers[2].header_bytes):
+        damaged = buf.copy()
+        damaged[at] ^= 0x04
+        assert cpu_batch.parse_records(damaged, starts, lengths) is None, at
