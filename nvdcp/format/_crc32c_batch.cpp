@@ -15,6 +15,7 @@
 // The same library splits elements into byte planes and merges them back (docs/FORMAT.md,
 // TRANSFORM_BYTEPLANES) for nvdcp/pipeline/cpu.py: SSE2/SSSE3 shuffles where the CPU has them,
 // plain loops otherwise; the same bytes as the numpy fallback (nvdcp/transform/byteplanes.py).
+// And it takes and applies deltas (nvdcp/transform/delta.py), the same bytes as its numpy code.
 //
 // Plain C ABI, no Python headers: nvdcp/format/crc.py and nvdcp/transform/byteplanes.py load it
 // with ctypes (which releases the GIL during a call). Built by setup.py as an optional
@@ -22,6 +23,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <thread>
 #include <vector>
 
@@ -473,4 +475,81 @@ extern "C" int nvdcp_merge_planes_many(const int64_t* planes, const int64_t* ns,
                        reinterpret_cast<uint8_t*>(dsts[i]));
   }
   return 0;
+}
+
+// --- deltas (nvdcp/transform/delta.py) -----------------------------------------------------------
+// kind 0 (XOR): out = raw ^ base, byte-wise. kind 1 (ZIGZAG_DIFF): each element of e bytes read
+// as a signed integer, d = raw - base (modulo 2^(8e)), out = (d << 1) ^ (d >> (8e - 1)). One
+// pass over both inputs instead of numpy's four; it also reports whether any output byte is
+// nonzero (an unchanged item), which the encoder otherwise finds with another pass.
+namespace {
+// Elements are loaded and stored with memcpy: the buffers may be unaligned (a record's bytes at
+// any offset of a read buffer); compilers turn these into plain (vectorized) unaligned moves.
+template <typename U>
+bool zigzag_diff(const uint8_t* raw, const uint8_t* base, size_t n, uint8_t* out) {
+  using S = typename std::make_signed<U>::type;
+  U seen = 0;
+  for (size_t i = 0; i < n; ++i) {
+    U a, b;
+    std::memcpy(&a, raw + i * sizeof(U), sizeof(U));
+    std::memcpy(&b, base + i * sizeof(U), sizeof(U));
+    U d = static_cast<U>(a - b);
+    U z = static_cast<U>(static_cast<U>(d << 1) ^ static_cast<U>(static_cast<S>(d) >> (8 * sizeof(U) - 1)));
+    std::memcpy(out + i * sizeof(U), &z, sizeof(U));
+    seen |= z;
+  }
+  return seen != 0;
+}
+
+template <typename U>
+void zigzag_apply(uint8_t* value, const uint8_t* delta, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    U v, z;
+    std::memcpy(&v, value + i * sizeof(U), sizeof(U));
+    std::memcpy(&z, delta + i * sizeof(U), sizeof(U));
+    v = static_cast<U>(v + (static_cast<U>(z >> 1) ^ static_cast<U>(0 - (z & 1))));
+    std::memcpy(value + i * sizeof(U), &v, sizeof(U));
+  }
+}
+}  // namespace
+
+// out (n elements of e bytes) = the delta of raw against base; returns 1 when any byte of it is
+// nonzero, 0 when raw equals base, -1 for an unknown kind or width. The arrays may be unaligned.
+extern "C" int nvdcp_delta_encode(const uint8_t* raw, const uint8_t* base, int64_t n, int e, int kind,
+                                  uint8_t* out) noexcept {
+  if (n <= 0) return 0;
+  size_t un = static_cast<size_t>(n);
+  if (kind == 0) {
+    uint8_t seen = 0;
+    for (size_t i = 0; i < un * static_cast<size_t>(e); ++i) {
+      out[i] = raw[i] ^ base[i];
+      seen |= out[i];
+    }
+    return seen != 0;
+  }
+  if (kind != 1) return -1;
+  switch (e) {
+    case 2: return zigzag_diff<uint16_t>(raw, base, un, out);
+    case 4: return zigzag_diff<uint32_t>(raw, base, un, out);
+    case 8: return zigzag_diff<uint64_t>(raw, base, un, out);
+    default: return -1;
+  }
+}
+
+// value (the base's bytes, n elements of e bytes) becomes the item's: the inverse of
+// nvdcp_delta_encode. Returns 0, or -1 for an unknown kind or width.
+extern "C" int nvdcp_delta_apply(uint8_t* value, const uint8_t* delta, int64_t n, int e, int kind) noexcept {
+  if (n <= 0) return 0;
+  size_t un = static_cast<size_t>(n);
+  if (kind == 0) {
+    for (size_t i = 0; i < un * static_cast<size_t>(e); ++i) value[i] ^= delta[i];
+    return 0;
+  }
+  if (kind != 1) return -1;
+  switch (e) {
+    case 2: zigzag_apply<uint16_t>(value, delta, un); return 0;
+    case 4: zigzag_apply<uint32_t>(value, delta, un); return 0;
+    case 8: zigzag_apply<uint64_t>(value, delta, un); return 0;
+    default: return -1;
+  }
 }

@@ -153,8 +153,8 @@ def _encode_blocks(
     src = raw[lo * n_planes : hi * n_planes]
     if delta is not None:
         base, kind, element_size, changed = delta
-        src = delta_transform.encode_np(src, base[lo * n_planes : hi * n_planes], kind, element_size)
-        if src.any():
+        src, nonzero = delta_transform.delta_np(src, base[lo * n_planes : hi * n_planes], kind, element_size)
+        if nonzero:
             changed.append(True)
     if n_planes == 1 or planes_buf is None:
         views = [src.data]

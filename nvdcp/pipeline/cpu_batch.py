@@ -311,7 +311,8 @@ def encode_delta_batch(
         assert layout is not None, f"no delta layout for {dtype}"
         kind, size = delta_transform.kind_for(dtype), torch.empty((), dtype=dtype).element_size()
         n_planes = size if layout.transform == TRANSFORM_BYTEPLANES else 1
-        diffs = [delta_transform.encode_np(tensor_to_host_bytes(tensors[i]), bases[i], kind, size) for i in members]
+        diffs, changed = zip(*[delta_transform.delta_np(tensor_to_host_bytes(tensors[i]), bases[i], kind, size)
+                               for i in members])
         compressed = _probe(diffs, n_planes, plane_encoders(layout.plane_codecs, n_planes, True), threads)
         by_layout: dict[tuple[str, ...], list[int]] = {}
         for j, pays in enumerate(compressed):
@@ -319,7 +320,7 @@ def encode_delta_batch(
             by_layout.setdefault(names, []).append(j)
         for names, js in by_layout.items():
             items = [members[j] for j in js]
-            deltas = _Deltas([base_digests[i] for i in items], kind, [not diffs[j].any() for j in js])
+            deltas = _Deltas([base_digests[i] for i in items], kind, [not changed[j] for j in js])
             records = _encode_group([torch.from_numpy(diffs[j]) for j in js], dtype_codes[items[0]],
                                     Layout(layout.transform, names), chunk_bytes, threads, deltas,
                                     [tuple(tensors[i].shape) for i in items])

@@ -18,8 +18,15 @@ produce the same bytes.
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import os
+from collections.abc import Callable
+
 import numpy as np
 import torch
+
+from nvdcp._native import load_function
 
 XOR = 0
 ZIGZAG_DIFF = 1
@@ -43,8 +50,53 @@ def kind_for(dtype: torch.dtype) -> int:
 _STEP = 1 << 15
 
 
+_FORMAT_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "format")
+
+
+@functools.cache
+def _native(symbol: str) -> Callable[..., int] | None:
+    """``nvdcp_delta_encode`` / ``nvdcp_delta_apply`` of the native library (one pass over the
+    bytes instead of numpy's four to six; the same bytes), None when it is not built."""
+    fn = load_function(_FORMAT_DIR, "_crc32c_batch", symbol)
+    if fn is None:
+        return None
+    extra = [ctypes.c_void_p] if symbol == "nvdcp_delta_encode" else []
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, *extra]
+    fn.restype = ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+def _native_width(kind: int, element_size: int) -> int:
+    """The element width the native functions work in: whole elements for ``ZIGZAG_DIFF``,
+    bytes for ``XOR``."""
+    return element_size if kind == ZIGZAG_DIFF else 1
+
+
+def _native_fits(*arrays: np.ndarray, element_size: int) -> bool:
+    return all(a.flags.c_contiguous for a in arrays) and not arrays[0].size % element_size
+
+
+def delta_np(raw: np.ndarray, base: np.ndarray, kind: int, element_size: int) -> tuple[np.ndarray, bool]:
+    """The delta of ``raw`` against ``base`` (flat uint8 arrays of one size), a new uint8 array,
+    and whether any byte of it is nonzero (False: ``raw`` equals ``base``)."""
+    fn = _native("nvdcp_delta_encode")
+    if fn is None or not _native_fits(raw, base, element_size=element_size):
+        out = encode_numpy(raw, base, kind, element_size)
+        return out, bool(out.any())
+    out = np.empty(raw.size, dtype=np.uint8)
+    width = _native_width(kind, element_size)
+    changed = fn(raw.ctypes.data, base.ctypes.data, raw.size // width, width, kind, out.ctypes.data)
+    assert changed >= 0, (kind, element_size)
+    return out, bool(changed)
+
+
 def encode_np(raw: np.ndarray, base: np.ndarray, kind: int, element_size: int) -> np.ndarray:
     """The delta of ``raw`` against ``base`` (flat uint8 arrays of one size): a new uint8 array."""
+    return delta_np(raw, base, kind, element_size)[0]
+
+
+def encode_numpy(raw: np.ndarray, base: np.ndarray, kind: int, element_size: int) -> np.ndarray:
+    """:func:`encode_np` in numpy (without the native library; the reference its tests compare with)."""
     if kind == XOR:
         return np.bitwise_xor(raw, base)
     it = _NP_INT[element_size]
@@ -62,6 +114,17 @@ def encode_np(raw: np.ndarray, base: np.ndarray, kind: int, element_size: int) -
 
 def apply_np(value: np.ndarray, delta: np.ndarray, kind: int, element_size: int) -> None:
     """``value`` (the base's bytes) becomes the item's bytes: the inverse of :func:`encode_np`."""
+    fn = _native("nvdcp_delta_apply")
+    if fn is None or not _native_fits(value, delta, element_size=element_size):
+        apply_numpy(value, delta, kind, element_size)
+        return
+    width = _native_width(kind, element_size)
+    done = fn(value.ctypes.data, delta.ctypes.data, value.size // width, width, kind)
+    assert done == 0, (kind, element_size)
+
+
+def apply_numpy(value: np.ndarray, delta: np.ndarray, kind: int, element_size: int) -> None:
+    """:func:`apply_np` in numpy (without the native library; the reference its tests compare with)."""
     if kind == XOR:
         np.bitwise_xor(value, delta, out=value)
         return
@@ -150,7 +213,8 @@ def accumulate_torch(acc: torch.Tensor, level: torch.Tensor, kind: int, element_
 
 
 __all__ = [
-    "KINDS", "XOR", "ZIGZAG_DIFF", "accumulate_torch", "apply_np", "difference_into_base_torch", "encode_into_base_torch",
-    "encode_np", "encode_torch", "finish_in_place_torch", "kind_for",
+    "KINDS", "XOR", "ZIGZAG_DIFF", "accumulate_torch", "apply_np", "apply_numpy", "delta_np", "difference_into_base_torch",
+    "encode_into_base_torch",
+    "encode_np", "encode_numpy", "encode_torch", "finish_in_place_torch", "kind_for",
     "to_difference_torch",
 ]
