@@ -232,6 +232,8 @@ class NvcompReader(StorageReader):
         self._good_descriptors: set[Any] = set()
         #: the reader of this checkpoint's base when it is a delta (opened by set_up_storage_reader)
         self.base: NvcompReader | None = None
+        #: data file sizes asked of storage (see _file_size)
+        self._file_sizes: dict[str, int] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -244,6 +246,7 @@ class NvcompReader(StorageReader):
         self._decoders = threading.local()
         self.__dict__.setdefault("_good_descriptors", set())
         self.__dict__.setdefault("base", None)
+        self.__dict__.setdefault("_file_sizes", {})
 
     def _codec_pool(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -256,6 +259,7 @@ class NvcompReader(StorageReader):
             self.path = os.fspath(checkpoint_id)
             self.storage = open_storage(self.path, **self.storage_options)
         self.metadata = None
+        self._file_sizes = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         # Stock .metadata pickles pathlib paths (storage_meta.checkpoint_id): admitted, inert.
@@ -460,6 +464,10 @@ class NvcompReader(StorageReader):
                 runs[-1] = (name, run[1], max(run[2], offset + length), run[3] + [i])
             else:
                 runs.append((name, offset, offset + length, [i]))
+        for name, _, end, members in runs:  # .metadata may be hostile: no allocation past a file's end
+            if end > self._file_size(name):
+                self._read_one_by_one(indexes, places, members)
+                raise TruncatedCheckpointError(f"{self.storage.describe(name)}: records end past the file's end")
         buf = np.empty(sum(end - start for _, start, end, _ in runs), dtype=np.uint8)
         starts = np.empty(len(places), dtype=np.int64)
         at = 0
@@ -467,14 +475,27 @@ class NvcompReader(StorageReader):
             try:
                 self.storage.read_into(name, start, [buf[at : at + end - start].data])
             except (OSError, NvdcpError):
-                for i in members:
-                    with _naming_item(_LazyWhere(self, indexes[i])):
-                        self.storage.read_range(*places[i])
+                self._read_one_by_one(indexes, places, members)
                 raise
             for i in members:
                 starts[i] = at + places[i][1] - start
             at += end - start
         return buf, starts
+
+    def _read_one_by_one(self, indexes: list[MetadataIndex], places: list[tuple[str, int, int]], members: list[int]) -> None:
+        """Read the records ``members`` of a run alone: the first that cannot be read raises an
+        error naming its item."""
+        for i in members:
+            with _naming_item(_LazyWhere(self, indexes[i])):
+                self.storage.read_range(*places[i])
+
+    def _file_size(self, name: str) -> int:
+        """A data file's size, asked of storage once per reader (a committed checkpoint's data
+        files do not change)."""
+        size = self._file_sizes.get(name)
+        if size is None:
+            size = self._file_sizes[name] = self.storage.size(name)
+        return size
 
     def _check_level_batch(self, indexes: list[MetadataIndex], buf: np.ndarray, starts: np.ndarray,
                            lengths: np.ndarray, chains: dict[MetadataIndex, list[_Level]]) -> _LevelBatch | None:

@@ -4,6 +4,7 @@ shape or do not pay, errors that name the broken base, and saves that fail half-
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import pickle
@@ -549,6 +550,26 @@ def test_base_items_swapped_in_metadata_is_a_mismatch(tmp_path: Path) -> None:
     err = _load_error(tmp_path / "b", target)
     assert isinstance(err, nvdcp.BaseMismatchError), repr(err)
     assert "not the base of this delta" in str(err)
+    _untouched(target)
+
+
+def test_base_record_past_its_files_end_is_named_before_anything_is_allocated(tmp_path: Path) -> None:
+    """A base .metadata whose record for an item runs a TiB past its data file (hostile or
+    damaged): the delta load refuses it by the file's size, naming the item, instead of
+    allocating a buffer for it."""
+    sd = {"x": weights_like((64, 64), seed=1), "y": weights_like((64, 64), seed=2)}
+    save(sd, tmp_path / "a")
+    save({k: v + 1e-6 for k, v in sd.items()}, tmp_path / "b", base=tmp_path / "a")
+    assert _delta_fqns(tmp_path / "b") == {"x", "y"}
+    meta = tmp_path / "a" / ".metadata"
+    md = pickle.loads(meta.read_bytes())
+    ix = next(ix for ix in md.storage_data if ix.fqn == "y")
+    md.storage_data[ix] = dataclasses.replace(md.storage_data[ix], length=1 << 40)
+    meta.write_bytes(pickle.dumps(md))
+    target = _sentinel_like(sd)
+    err = _load_error(tmp_path / "b", target)
+    assert isinstance(err, nvdcp.TruncatedCheckpointError), repr(err)
+    assert "'y'" in str(err), str(err)
     _untouched(target)
 
 
