@@ -78,8 +78,7 @@ def test_torch_matches_numpy_and_a_chain_folds_top_down(kind: int, size: int) ->
     assert np.array_equal(acc.numpy(), levels[3])
 
 
-@pytest.mark.parametrize("kind", D.KINDS)
-@pytest.mark.parametrize("size", [1, 2, 4, 8])
+@pytest.mark.parametrize(("kind", "size"), [(D.XOR, 1), *[(k, s) for k in D.KINDS for s in (2, 4, 8)]])
 @pytest.mark.parametrize("offset", [0, 1, 3])
 def test_native_and_numpy_give_the_same_bytes_at_any_alignment(kind: int, size: int, offset: int) -> None:
     """The native one-pass functions (when built) against the numpy reference: same deltas, the
@@ -87,8 +86,6 @@ def test_native_and_numpy_give_the_same_bytes_at_any_alignment(kind: int, size: 
     any offset of a read buffer), lengths that are not a multiple of a vector."""
     if D._native("nvdcp_delta_encode") is None:
         pytest.skip("the native library is not built here")
-    if kind == D.ZIGZAG_DIFF and size == 1:
-        pytest.skip("zigzag differences are for 2-, 4- and 8-byte floats")
     n = size * 1237
     raw = _bytes(n + offset, 3)[offset:]
     base = _bytes(n + offset, 4)[offset:]
