@@ -43,6 +43,7 @@ benchmarks/results/sweep_<date>.json (or under --out DIR) and prints a markdown 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -260,6 +261,7 @@ def worker(spec: dict[str, Any]) -> None:
             dist.barrier()
 
     def timed(fn: Any) -> float:
+        gc.collect()  # outside the timing: see benchmarks.common.timed
         barrier()
         _sync()
         t0 = time.perf_counter()
