@@ -534,18 +534,27 @@ def test_delta_frame_that_does_not_decode_is_named(tmp_path: Path) -> None:
     assert "'w'" in str(err) and f.name in str(err), str(err)
 
 
-def test_base_items_swapped_in_metadata_is_a_mismatch(tmp_path: Path) -> None:
-    """The base's .metadata rebuilt with two same-shaped items swapped (same save id, same
-    digest record): each delta item finds a base record of another digest."""
+def _two_deltas_with_base_metadata(tmp_path: Path, edit: Any) -> dict[str, Any]:
+    """Items x and y saved at a, then as deltas at b; ``edit(md)`` then rewrites a's .metadata."""
     sd = {"x": weights_like((64, 64), seed=1), "y": weights_like((64, 64), seed=2)}
     save(sd, tmp_path / "a")
     save({k: v + 1e-6 for k, v in sd.items()}, tmp_path / "b", base=tmp_path / "a")
     assert _delta_fqns(tmp_path / "b") == {"x", "y"}
     meta = tmp_path / "a" / ".metadata"
     md = pickle.loads(meta.read_bytes())
-    (ix, iy) = [ix for ix in md.storage_data]
-    md.storage_data[ix], md.storage_data[iy] = md.storage_data[iy], md.storage_data[ix]
+    edit(md)
     meta.write_bytes(pickle.dumps(md))
+    return sd
+
+
+def test_base_items_swapped_in_metadata_is_a_mismatch(tmp_path: Path) -> None:
+    """The base's .metadata rebuilt with two same-shaped items swapped (same save id, same
+    digest record): each delta item finds a base record of another digest."""
+    def swap(md: Any) -> None:
+        (ix, iy) = [ix for ix in md.storage_data]
+        md.storage_data[ix], md.storage_data[iy] = md.storage_data[iy], md.storage_data[ix]
+
+    sd = _two_deltas_with_base_metadata(tmp_path, swap)
     target = _sentinel_like(sd)
     err = _load_error(tmp_path / "b", target)
     assert isinstance(err, nvdcp.BaseMismatchError), repr(err)
@@ -557,15 +566,11 @@ def test_base_record_past_its_files_end_is_named_before_anything_is_allocated(tm
     """A base .metadata whose record for an item runs a TiB past its data file (hostile or
     damaged): the delta load refuses it by the file's size, naming the item, instead of
     allocating a buffer for it."""
-    sd = {"x": weights_like((64, 64), seed=1), "y": weights_like((64, 64), seed=2)}
-    save(sd, tmp_path / "a")
-    save({k: v + 1e-6 for k, v in sd.items()}, tmp_path / "b", base=tmp_path / "a")
-    assert _delta_fqns(tmp_path / "b") == {"x", "y"}
-    meta = tmp_path / "a" / ".metadata"
-    md = pickle.loads(meta.read_bytes())
-    ix = next(ix for ix in md.storage_data if ix.fqn == "y")
-    md.storage_data[ix] = dataclasses.replace(md.storage_data[ix], length=1 << 40)
-    meta.write_bytes(pickle.dumps(md))
+    def stretch(md: Any) -> None:
+        ix = next(ix for ix in md.storage_data if ix.fqn == "y")
+        md.storage_data[ix] = dataclasses.replace(md.storage_data[ix], length=1 << 40)
+
+    sd = _two_deltas_with_base_metadata(tmp_path, stretch)
     target = _sentinel_like(sd)
     err = _load_error(tmp_path / "b", target)
     assert isinstance(err, nvdcp.TruncatedCheckpointError), repr(err)
