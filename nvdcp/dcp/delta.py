@@ -22,7 +22,6 @@ import functools
 import logging
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -370,11 +369,13 @@ class DeltaSave:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def prefetch(self, items: list[tuple[MetadataIndex, torch.Tensor]], threads: int = PREFETCH_THREADS) -> None:
-        """Read back from storage, ``threads`` at a time, the bases of ``items`` the cache does
-        not hold (a resumed job's first save, a rank whose cache holds another save), straight
-        into their cache slots, which then serve :meth:`prepare` as hits. Without it each base is
-        read serially as its item is prepared (100,000 items: 100,000 reads in a row). Items
-        beyond the cache budget are left to :meth:`prepare`."""
+        """Read back from storage the bases of ``items`` the cache does not hold (a resumed job's
+        first save, a rank whose cache holds another save), straight into their cache slots,
+        which then serve :meth:`prepare` as hits: in groups of nearby records, ``threads`` at a
+        time, each level of a group read, checked and decoded in arrays
+        (:meth:`~nvdcp.dcp.reader.NvcompReader.items_raw_into`). Without it each base is read
+        serially as its item is prepared (100,000 items: 100,000 reads in a row). Items beyond
+        the cache budget are left to :meth:`prepare`."""
         if self.ref is None or self.cache is None or self.cache.budget == 0:
             return
         ref, cache = self.ref, self.cache
@@ -382,23 +383,26 @@ class DeltaSave:
                 and cache.lookup(ix, ref.save_id, t.dtype, tuple(t.shape)) is None]
         if not todo:
             return
-        self._reader()  # opened once, before the threads
-
-        def fetch(index: MetadataIndex, tensor: torch.Tensor) -> None:
+        reader = self._reader()
+        slots: dict[MetadataIndex, CacheEntry] = {}
+        for index, tensor in todo:
             dtype, shape = tensor.dtype, tuple(tensor.shape)
             if self._base_record(index, dtype, shape) is None:
-                return  # no such item in the base: stored whole
+                continue  # no such item in the base: stored whole
             entry = cache.slot(index, tensor.numel() * tensor.element_size(), dtype, shape, self.pin)
             if entry is None:
-                return  # beyond the budget: read by prepare()
+                continue  # beyond the budget: read by prepare()
             entry.save_id = None
-            _, digest, whole = self._read_base(index, dtype, shape, out=entry.data.numpy())
-            entry.digest, entry.skip, entry.whole_nbytes = digest or 0, 0, whole
+            slots[index] = entry
+        if not slots:
+            return
+        headers = reader.items_raw_into({index: entry.data for index, entry in slots.items()}, threads)
+        assert reader.metadata is not None
+        for index, entry in slots.items():
+            header = headers[index]
+            whole = None if header.is_delta else reader.metadata.storage_data[index].length
+            entry.digest, entry.skip, entry.whole_nbytes = digest_of_header(header), 0, whole
             entry.save_id = ref.save_id  # now a hit for prepare()
-
-        with ThreadPoolExecutor(max(1, min(threads, len(todo))), thread_name_prefix="nvdcp-base") as pool:
-            for done in [pool.submit(fetch, ix, t) for ix, t in todo]:
-                done.result()
 
     def prepare(self, index: MetadataIndex, tensor: torch.Tensor) -> DeltaTensor | torch.Tensor:
         """``tensor`` wrapped with its base and keep slot, or as it is (nothing to do)."""

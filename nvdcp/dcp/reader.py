@@ -315,6 +315,27 @@ class NvcompReader(StorageReader):
             f"is there (looked at {tried}); restore that checkpoint to load this one"
         )
 
+    def items_raw_into(self, targets: dict[MetadataIndex, torch.Tensor], threads: int) -> dict[MetadataIndex, ItemHeader]:
+        """Fetch, verify and decode many nvdcp items, each into its host tensor (flat, contiguous
+        uint8 of the item's size), deltas resolved against their base chains: as
+        :meth:`item_raw` does one item, here in groups of nearby records on ``threads`` threads,
+        each level of a group read, checked and decoded in arrays. Returns each item's header
+        (of its record in this checkpoint).
+
+        Raises:
+            BaseMismatchError: a base holds no such item, or another one than its delta's.
+            CorruptCheckpointError: a damaged record (file, item and chunk named).
+        """
+        flat = {index: (tensor, tensor.numpy()) for index, tensor in targets.items()}
+        self._chain_depths(list(targets))  # a base missing an item raises before any read
+        report = Report("load", self.storage.url)
+        headers: dict[MetadataIndex, ItemHeader] = {}
+        groups = self._delta_groups(list(targets))
+        with ThreadPoolExecutor(max(1, min(threads, len(groups))), thread_name_prefix="nvdcp-base") as pool:
+            for done in [pool.submit(self._load_delta_group_cpu, group, report, flat) for group in groups]:
+                headers.update((index, header) for index, header, _ in done.result())
+        return headers
+
     def item_raw(self, index: MetadataIndex, report: Report | None = None, out: np.ndarray | None = None,
                  ) -> tuple[ItemHeader, np.ndarray]:
         """Fetch, verify and decode one nvdcp item into its raw bytes (host memory: ``out`` when
