@@ -48,3 +48,17 @@ def test_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert ratio_checks and {t["interval"] for t in ratio_checks} == {10}
     assert {t["interval"] for t in payload["targets"] if "save" in t["target"]} == {2, 10}
     assert not (tmp_path / "ckpt" / "fp32_adamw_every2").exists()  # chains are removed once measured
+
+
+def test_delta_resume_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/delta_resume.py at a tiny size: its three cases run, the resumed save loads
+    bit-exact, the JSON comes out."""
+    from benchmarks import delta_resume
+
+    assert delta_resume.main(["--items", "20", "--repeats", "1", "--dir", str(tmp_path / "ckpt"),
+                              "--out", str(tmp_path)]) == 0
+    assert "bit-exact: True" in capsys.readouterr().out
+    payload = json.loads(next(tmp_path.glob("delta_resume_*.json")).read_text())
+    assert {"date", "machine", "command"} <= payload.keys() and payload["bit_exact"]
+    assert [r["case"] for r in payload["results"]] == [
+        "resumed delta save (bases read back)", "delta save (bases in the host cache)", "full save"]
