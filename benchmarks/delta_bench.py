@@ -30,7 +30,9 @@ For each variant and interval the chain is saved, in step order, with
 - ``nvdcp``: ``NvcompWriter(path)``, every checkpoint whole;
 - ``delta K`` (``delta-full K`` with ``--against full``): ``NvcompWriter(path,
   delta=DeltaPolicy(full_every=K, against=...))`` for each K of ``--ks``:
-  a whole save every K saves, deltas against the previous save in between.
+  a whole save every K saves, deltas against the previous save in between;
+- ``delta-gpucache K`` (``--gpu-cache-gib G``, CUDA): the same with ``DeltaPolicy(...,
+  gpu_cache_bytes=G GiB)``: the last save's bytes kept in GPU memory, not host memory.
 
 Per checkpoint: bytes stored (every file of its folder), save seconds (the device synchronized
 before and after), the delta depth from its metadata, the peak host RSS the save added (VmHWM,
@@ -100,6 +102,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ks", default="4,8,16", help="DeltaPolicy full_every values, comma separated")
     p.add_argument("--against", default="previous", help="DeltaPolicy against= values, comma separated "
                    "(previous: chains; full: every delta against the last full save)")
+    p.add_argument("--gpu-cache-gib", type=float, default=0.0,
+                   help="also run each K with DeltaPolicy(gpu_cache_bytes=this many GiB) (CUDA; label delta-gpucache)")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--batch", type=int, default=None, help="default 32 on CUDA, 4 on the CPU")
     p.add_argument("--warm-steps", type=int, default=100, help="steps before the first checkpoint")
@@ -306,8 +310,9 @@ def run_chain(name: str, k: int | None, states: list[tuple[int, dict[str, Any]]]
               args: argparse.Namespace) -> Chain:
     chain = Chain(name, k)
     against = "full" if name.startswith("delta-full") else "previous"
-    policy = nvdcp.DeltaPolicy(full_every=k, min_gain=args.min_gain, against=against,
-                                                 min_item_bytes=args.min_item_bytes) if k is not None else None
+    gpu_cache = int(args.gpu_cache_gib * (1 << 30)) if name.startswith("delta-gpucache") else 0
+    policy = nvdcp.DeltaPolicy(full_every=k, min_gain=args.min_gain, against=against, min_item_bytes=args.min_item_bytes,
+                               gpu_cache_bytes=gpu_cache) if k is not None else None
     for i, (step, state) in enumerate(states):
         path = os.path.join(folder, f"ckpt_{i:02d}_step{step}")
         if name == "stock":
@@ -455,6 +460,8 @@ def run_combo(variant: str, interval: int, states: list[tuple[int, dict[str, Any
     full_load(last)
     chains = [stock, full]
     kinds = [("delta" if against == "previous" else "delta-full", k) for against in args.against_list for k in args.k_list]
+    if args.gpu_cache_gib > 0 and args.device == "cuda":
+        kinds += [("delta-gpucache", k) for k in args.k_list]
     for label, k in kinds:
         chain = run_chain(f"{label} K={k}", k, states, os.path.join(folder, f"{label}_k{k}"), args)
         deltas = [c for c in chain.ckpts if c.depth > 0]
@@ -477,7 +484,7 @@ def run_combo(variant: str, interval: int, states: list[tuple[int, dict[str, Any
                 if not states_equal(dest, states[c.index][1]):
                     chain.loads.append({"what": "verify", "index": c.index, "depth": c.depth, "bit_exact": False})
                     print(f"  !! {chain.writer}: checkpoint {c.index} (depth {c.depth}) does not load bit-exact")
-        shutil.rmtree(os.path.join(folder, f"delta_k{k}"), ignore_errors=True)
+        shutil.rmtree(os.path.join(folder, f"{label}_k{k}"), ignore_errors=True)
         chains.append(chain)
         print(f"  {chain.writer}: {sum(c.bytes for c in chain.ckpts) / MiB:.1f} MiB in {len(chain.ckpts)} checkpoints",
               flush=True)
@@ -659,7 +666,7 @@ def main(argv: list[str] | None = None) -> Path:
             "lastN_MiB includes the older checkpoints the kept deltas need (their base chain)",
             "host_peak: VmHWM over VmRSS before the save (reset via /proc/self/clear_refs); "
             "gpu_peak: torch.cuda.max_memory_allocated over memory_allocated before the save",
-            "cache_MiB: DeltaPolicy.cache.used after the chain (host copy of the last save kept between saves)",
+            "cache_MiB: DeltaPolicy.cache.used after the chain (copy of the last save kept between saves: host memory, GPU memory for delta-gpucache)",
         ],
         "rows": rows, "targets": checks, "all_bit_exact": exact, "combos": combos, "total_s": round(total_s, 1),
         "profiles": profiles,

@@ -6,10 +6,11 @@ difference for floats: :mod:`nvdcp.transform.delta`), when that pays, and every 
 (docs/FORMAT.md, "Delta checkpoints"). Three pieces:
 
 - :class:`DeltaPolicy`, the one place users set it up: a full checkpoint every ``full_every``
-  saves, a bound on chain length, and the host-memory budget of the base kept between saves. It
+  saves, a bound on chain length, and the memory budgets of the base kept between saves. It
   remembers the last save it committed, so each save deltas against the previous one.
 - :class:`BaseCache`: the raw bytes of the last save's items, in host memory (pinned when CUDA
-  is there), within the budget. A save reads each item's base from it and writes the item's new
+  is there) within the budget, and, opted in (``gpu_cache_bytes``), those of GPU-encoded items
+  in GPU memory within a per-GPU budget. A save reads each item's base from it and writes the item's new
   bytes over it in the same pass, so it holds one save, never two.
 - :class:`DeltaSave`: one save's view: for each item, its base bytes (from the cache, or read back
   from the base checkpoint on storage, a chain resolved: a job resumed from a checkpoint deltas
@@ -22,6 +23,7 @@ import functools
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +65,8 @@ RETRY_AFTER = 3
 RETRY_AFTER_MAX = 48
 #: Base items read back from storage at once (:meth:`DeltaSave.prefetch`).
 PREFETCH_THREADS = 8
+#: Host memory a prefetch of bases kept in GPU memory stages through at once.
+PREFETCH_STAGING_BYTES = 256 << 20
 #: Pinned arenas of the cache are carved from blocks of at least this size.
 ARENA_BYTES = 256 << 20
 
@@ -99,6 +103,11 @@ class DeltaPolicy:
             CUDA is there); default a quarter of the machine's memory, at most 64 GiB. Items that
             do not fit are read back from the base checkpoint on storage when the next save needs
             them (slower, never wrong). 0 keeps nothing.
+        gpu_cache_bytes: GPU memory, per GPU, kept between saves for the last save's raw bytes
+            of items the GPU encodes (tensors on that GPU); default 0 (the GPU's memory belongs
+            to training). Items kept there need no copy across PCIe: a delta save reads its
+            base there and keeps the new bytes with a device copy. Items beyond it go to the
+            host part (``cache_bytes``).
         min_gain: keep a delta only when it is at least this fraction smaller than the item
             stored whole (as the writer last measured that item); otherwise store it whole.
         min_item_bytes: items smaller than this (raw bytes) are always stored whole, and their
@@ -119,7 +128,7 @@ class DeltaPolicy:
 
     def __init__(self, full_every: int = DEFAULT_FULL_EVERY, max_chain: int | None = None,
                  cache_bytes: int | None = None, min_gain: float = DEFAULT_MIN_GAIN, against: str = "previous",
-                 min_item_bytes: int | None = None) -> None:
+                 min_item_bytes: int | None = None, gpu_cache_bytes: int = 0) -> None:
         if against not in AGAINST:
             raise ValueError(f"against must be one of {AGAINST}, got {against!r}")
         if full_every < 1:
@@ -128,6 +137,8 @@ class DeltaPolicy:
             raise ValueError(f"max_chain must be >= 0, got {max_chain}")
         if cache_bytes is not None and cache_bytes < 0:
             raise ValueError(f"cache_bytes must be >= 0, got {cache_bytes}")
+        if gpu_cache_bytes < 0:
+            raise ValueError(f"gpu_cache_bytes must be >= 0, got {gpu_cache_bytes}")
         if not 0 <= min_gain < 1:
             raise ValueError(f"min_gain must be within [0, 1), got {min_gain}")
         if min_item_bytes is not None and min_item_bytes < 0:
@@ -136,7 +147,7 @@ class DeltaPolicy:
         self.full_every = full_every
         self.max_chain = full_every - 1 if max_chain is None else max_chain
         self.min_gain = min_gain
-        self.cache = BaseCache(default_cache_bytes() if cache_bytes is None else cache_bytes)
+        self.cache = BaseCache(default_cache_bytes() if cache_bytes is None else cache_bytes, gpu_cache_bytes)
         self.against = against
         self._last: SaveRef | None = None
         self._full: SaveRef | None = None  # the last save stored whole (the base when against="full")
@@ -284,53 +295,25 @@ class CacheEntry:
     delta_codecs: tuple[str, ...] | None = None  # plane codecs of its next GPU delta (how the last one did)
 
 
-class BaseCache:
-    """The raw bytes of the last save's items, within ``budget`` bytes of host memory.
+class _Arenas:
+    """Slots carved from arenas of one device's memory (pinned host memory when ``pin``),
+    within ``budget`` bytes of arenas, tails included."""
 
-    Memory is carved from arenas and kept for the job's life (an item's slot is reused while its
-    size stays the same); :meth:`clear` frees it all.
-    """
-
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
-        self.entries: dict[MetadataIndex, CacheEntry] = {}
+    def __init__(self, budget: int, device: torch.device, pin: bool = False) -> None:
+        self.budget, self.device, self.pin = budget, device, pin
         self._arenas: list[torch.Tensor] = []
         self._free_at = 0  # bytes used of the last arena
         self.used = 0  # bytes of the slots handed out
-        self.allocated = 0  # bytes of the arenas (never more than the budget)
-        self._lock = threading.Lock()
+        self.allocated = 0  # bytes of the arenas
 
-    def lookup(self, index: MetadataIndex, save_id: str, dtype: torch.dtype, shape: tuple[int, ...]) -> CacheEntry | None:
-        """The entry of ``index`` when it holds that item of save ``save_id``."""
-        entry = self.entries.get(index)
-        if entry is None or entry.save_id != save_id or entry.dtype != dtype or entry.shape != shape:
-            return None
-        return entry
-
-    def slot(self, index: MetadataIndex, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...], pin: bool) -> CacheEntry | None:
-        """The entry that receives ``index``'s bytes of the save being written: its own slot when
-        the size is unchanged, a new one within the budget, else None (the item is not kept)."""
-        with self._lock:
-            entry = self.entries.get(index)
-            if entry is not None and entry.data.numel() == nbytes:
-                entry.dtype, entry.shape = dtype, shape
-                return entry
-            if entry is not None:
-                del self.entries[index]  # resharded: its old slot is lost until clear()
-            data = self._carve(nbytes, pin)
-            if data is None:
-                return None
-            entry = CacheEntry(data, dtype, shape)
-            self.entries[index] = entry
-            return entry
-
-    def _carve(self, nbytes: int, pin: bool) -> torch.Tensor | None:
+    def carve(self, nbytes: int) -> torch.Tensor | None:
         if not self._arenas or self._free_at + nbytes > self._arenas[-1].numel():
-            room = self.budget - self.allocated  # the budget bounds what is allocated, tails included
+            room = self.budget - self.allocated
             if nbytes > room:
                 return None
             size = min(max(ARENA_BYTES, nbytes), room)
-            self._arenas.append(torch.empty(size, dtype=torch.uint8, pin_memory=pin))
+            pin = self.pin and self.device.type == "cpu"
+            self._arenas.append(torch.empty(size, dtype=torch.uint8, device=self.device, pin_memory=pin))
             self.allocated += size
             self._free_at = 0
         arena = self._arenas[-1]
@@ -339,12 +322,95 @@ class BaseCache:
         self.used += nbytes
         return out
 
+
+class BaseCache:
+    """The raw bytes of the last save's items, within ``budget`` bytes of host memory and, for
+    items the GPU encodes, ``gpu_budget`` bytes of each GPU's memory (used first for them: the
+    next save's delta then reads its base, and this save keeps its bytes, without crossing PCIe).
+
+    Memory is carved from arenas and kept for the job's life (an item's slot is reused while its
+    size stays the same); :meth:`clear` frees it all.
+    """
+
+    def __init__(self, budget: int, gpu_budget: int = 0) -> None:
+        self.budget = budget
+        self.gpu_budget = gpu_budget
+        self.entries: dict[MetadataIndex, CacheEntry] = {}
+        self._host: dict[bool, _Arenas] = {}  # by pinned or not (one kind per process in practice)
+        self._gpu: dict[torch.device, _Arenas] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the cache may keep anything."""
+        return self.budget > 0 or self.gpu_budget > 0
+
+    @property
+    def used(self) -> int:
+        """Bytes of the slots handed out (host and GPU)."""
+        return sum(a.used for a in self._all())
+
+    @property
+    def allocated(self) -> int:
+        """Bytes of host memory allocated (never more than ``budget``)."""
+        return sum(a.allocated for a in self._host.values())
+
+    @property
+    def gpu_allocated(self) -> int:
+        """Bytes of GPU memory allocated, all devices (each within ``gpu_budget``)."""
+        return sum(a.allocated for a in self._gpu.values())
+
+    def _all(self) -> list[_Arenas]:
+        return [*self._host.values(), *self._gpu.values()]
+
+    def lookup(self, index: MetadataIndex, save_id: str, dtype: torch.dtype, shape: tuple[int, ...]) -> CacheEntry | None:
+        """The entry of ``index`` when it holds that item of save ``save_id``."""
+        entry = self.entries.get(index)
+        if entry is None or entry.save_id != save_id or entry.dtype != dtype or entry.shape != shape:
+            return None
+        return entry
+
+    def slot(self, index: MetadataIndex, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...], pin: bool,
+             device: torch.device | None = None) -> CacheEntry | None:
+        """The entry that receives ``index``'s bytes of the save being written: its own slot when
+        the size is unchanged (and it is in host memory, or ``device`` is a GPU), a new one within
+        the budgets, else None (the item is not kept). ``device``: the GPU that encodes the item
+        (its slot is in that GPU's memory while ``gpu_budget`` allows), None: host memory."""
+        on_gpu = device is not None and device.type == "cuda"
+        with self._lock:
+            entry = self.entries.get(index)
+            if entry is not None and entry.data.numel() == nbytes and (on_gpu or not entry.data.is_cuda):
+                entry.dtype, entry.shape = dtype, shape
+                return entry
+            if entry is not None:
+                del self.entries[index]  # resharded, or now encoded on the host: its old slot is lost until clear()
+            data = self._carve(nbytes, pin, device if on_gpu else None)
+            if data is None:
+                return None
+            entry = CacheEntry(data, dtype, shape)
+            self.entries[index] = entry
+            return entry
+
+    def _carve(self, nbytes: int, pin: bool, device: torch.device | None) -> torch.Tensor | None:
+        if device is not None and self.gpu_budget > 0:
+            arenas = self._gpu.get(device)
+            if arenas is None:
+                arenas = self._gpu[device] = _Arenas(self.gpu_budget, device)
+            data = arenas.carve(nbytes)
+            if data is not None:
+                return data
+        if self.budget <= 0:
+            return None
+        host = self._host.get(pin)
+        if host is None:
+            host = self._host[pin] = _Arenas(self.budget - self.allocated, torch.device("cpu"), pin)
+        return host.carve(nbytes)
+
     def clear(self) -> None:
         with self._lock:
             self.entries.clear()
-            self._arenas.clear()
-            self._free_at = 0
-            self.used = self.allocated = 0
+            self._host.clear()
+            self._gpu.clear()
 
 
 # -- one save --------------------------------------------------------------------------------
@@ -363,6 +429,9 @@ class DeltaSave:
     min_item_bytes: int = DEFAULT_MIN_ITEM_BYTES
     #: this save's bytes go into the cache (False: a delta against the full save, whose bytes stay)
     keep_bytes: bool = True
+    #: whether the writer encodes a tensor on its GPU (then its kept bytes go to that GPU's
+    #: part of the cache while it has room); None: every item is kept in host memory
+    gpu_encodes: Callable[[torch.Tensor], bool] | None = None
     _base_reader: Any = None
     _touched: list[CacheEntry] = field(default_factory=list)
     _attempted: set[MetadataIndex] = field(default_factory=set)
@@ -376,7 +445,7 @@ class DeltaSave:
         (:meth:`~nvdcp.dcp.reader.NvcompReader.items_raw_into`). Without it each base is read
         serially as its item is prepared (100,000 items: 100,000 reads in a row). Items beyond
         the cache budget are left to :meth:`prepare`."""
-        if self.ref is None or self.cache is None or self.cache.budget == 0:
+        if self.ref is None or self.cache is None or not self.cache.enabled:
             return
         ref, cache = self.ref, self.cache
         todo = [(ix, t) for ix, t in items if t.numel() * t.element_size() >= max(1, self.min_item_bytes)
@@ -389,20 +458,45 @@ class DeltaSave:
             dtype, shape = tensor.dtype, tuple(tensor.shape)
             if self._base_record(index, dtype, shape) is None:
                 continue  # no such item in the base: stored whole
-            entry = cache.slot(index, tensor.numel() * tensor.element_size(), dtype, shape, self.pin)
+            entry = cache.slot(index, tensor.numel() * tensor.element_size(), dtype, shape, self.pin,
+                               self._slot_device(tensor))
             if entry is None:
                 continue  # beyond the budget: read by prepare()
             entry.save_id = None
             slots[index] = entry
         if not slots:
             return
-        headers = reader.items_raw_into({index: entry.data for index, entry in slots.items()}, threads)
+        headers = self._read_into(reader, slots, threads)
         assert reader.metadata is not None
         for index, entry in slots.items():
             header = headers[index]
             whole = None if header.is_delta else reader.metadata.storage_data[index].length
             entry.digest, entry.skip, entry.whole_nbytes = digest_of_header(header), 0, whole
             entry.save_id = ref.save_id  # now a hit for prepare()
+
+    @staticmethod
+    def _read_into(reader: Any, slots: dict[MetadataIndex, CacheEntry], threads: int) -> dict[MetadataIndex, Any]:
+        """Read the bases of ``slots`` into their memory; those in GPU memory through host
+        buffers of at most ``PREFETCH_STAGING_BYTES`` at a time (the reader decodes into host memory)."""
+        headers = reader.items_raw_into({ix: e.data for ix, e in slots.items() if not e.data.is_cuda}, threads)
+        batch: list[tuple[MetadataIndex, CacheEntry]] = []
+        on_gpu = [(ix, e) for ix, e in slots.items() if e.data.is_cuda]
+        for i, (index, entry) in enumerate(on_gpu):
+            batch.append((index, entry))
+            if i + 1 < len(on_gpu) and sum(e.data.numel() for _, e in batch) < PREFETCH_STAGING_BYTES:
+                continue
+            staging = {ix: torch.empty(e.data.numel(), dtype=torch.uint8) for ix, e in batch}
+            headers.update(reader.items_raw_into(staging, threads))
+            for ix, e in batch:
+                e.data.copy_(staging[ix])
+            batch = []
+        return headers
+
+    def _slot_device(self, tensor: torch.Tensor) -> torch.device | None:
+        """The GPU whose part of the cache keeps ``tensor``'s bytes (None: host memory)."""
+        if tensor.is_cuda and self.gpu_encodes is not None and self.gpu_encodes(tensor):
+            return tensor.device
+        return None
 
     def prepare(self, index: MetadataIndex, tensor: torch.Tensor) -> DeltaTensor | torch.Tensor:
         """``tensor`` wrapped with its base and keep slot, or as it is (nothing to do)."""
@@ -412,14 +506,17 @@ class DeltaSave:
             return tensor
         hit = self.cache.lookup(index, self.ref.save_id, dtype, shape) if self.cache and self.ref else None
         slot = self.cache is not None and self.keep_bytes
+        device = self._slot_device(tensor)
         if hit is not None and hit.skip > 0:
             hit.skip -= 1  # its delta did not pay lately: stored whole, its bytes still kept
-            keep = self.cache.slot(index, nbytes, dtype, shape, self.pin) if slot and self.cache else None
+            keep = self.cache.slot(index, nbytes, dtype, shape, self.pin, device) if slot and self.cache else None
             return self._keep_only(tensor, keep)
         base = hit.data if hit is not None else None
+        if base is not None and base.is_cuda and device is None:
+            base = base.cpu()  # kept on a GPU, encoded on the host now: the CPU encoder reads host memory
         digest = hit.digest if hit is not None else None
         whole = hit.whole_nbytes if hit is not None else None
-        keep = self.cache.slot(index, nbytes, dtype, shape, self.pin) if slot and self.cache else None
+        keep = self.cache.slot(index, nbytes, dtype, shape, self.pin, device) if slot and self.cache else None
         if keep is not None:
             keep.save_id = None  # being rewritten by this save
             with self._lock:

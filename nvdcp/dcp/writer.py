@@ -384,7 +384,7 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
         """This rank's delta bookkeeping for the save (None: no base and nothing to keep)."""
         if prefix.base is None and self.delta is None:
             return None
-        cache = self.delta.cache if self.delta is not None and self.delta.cache.budget > 0 else None
+        cache = self.delta.cache if self.delta is not None and self.delta.cache.enabled else None
         if prefix.base is None and cache is None:
             return None
         keep_bytes = self.delta is not None and (self.delta.keeps_every_save or prefix.base is None)
@@ -393,6 +393,7 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
             self.storage_options, self.delta.min_gain if self.delta is not None else DEFAULT_MIN_GAIN,
             pin=torch.cuda.is_available() and gpu_available(), keep_bytes=keep_bytes,
             min_item_bytes=self.delta.min_item_bytes if self.delta is not None else default_min_item_bytes(),
+            gpu_encodes=functools.partial(self.encoder.uses_gpu, gpu_ok=gpu_available()),
         )
 
     _delta_save: DeltaSave | None = None

@@ -196,7 +196,7 @@ def test_full_every_one_never_deltas(tmp_path: Path) -> None:
 
 
 def test_policy_arguments_are_checked() -> None:
-    for kw in ({"full_every": 0}, {"max_chain": -1}, {"cache_bytes": -1}, {"min_gain": 1.0}):
+    for kw in ({"full_every": 0}, {"max_chain": -1}, {"cache_bytes": -1}, {"gpu_cache_bytes": -1}, {"min_gain": 1.0}):
         with pytest.raises(ValueError):
             nvdcp.DeltaPolicy(**kw)
     with pytest.raises(TypeError):
@@ -777,6 +777,19 @@ def test_the_cache_never_allocates_more_than_its_budget() -> None:
         assert g is not None
         g.data.fill_(7)
     assert all(int(g.data.sum()) == 7 * 1000 for g in got[:3] if g is not None)
+
+
+def test_a_gpu_budget_alone_keeps_no_host_encoded_item() -> None:
+    """gpu_cache_bytes without cache_bytes: items encoded on the host (no GPU device asked) are
+    not kept, and nothing is allocated (the GPU part is exercised in tests/gpu/test_delta_gpu.py)."""
+    from nvdcp.dcp.delta import BaseCache
+
+    cache = BaseCache(0, gpu_budget=1 << 20)
+    assert cache.enabled
+    assert cache.slot(("item", 0), 1000, torch.float32, (250,), pin=False) is None
+    assert cache.slot(("item", 1), 1000, torch.float32, (250,), pin=False, device=torch.device("cpu")) is None
+    assert cache.used == cache.allocated == cache.gpu_allocated == 0
+    assert not BaseCache(0).enabled
 
 
 def test_host_loads_rebuild_deltas_in_groups_of_items_with_chains_of_different_depths(

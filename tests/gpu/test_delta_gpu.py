@@ -142,3 +142,61 @@ def test_gpu_delta_planes_get_zstd_where_they_compressed_past_gdeflates_reach(tm
     for i in (1, 2):
         _load(tmp_path / f"s{i}", CUDA, saved[i])
         _load(tmp_path / f"s{i}", torch.device("cpu"), saved[i])
+
+
+def _cache_devices(policy: nvdcp.DeltaPolicy) -> dict[str, str]:
+    return {ix.fqn: entry.data.device.type for ix, entry in policy.cache.entries.items()}
+
+
+def test_gpu_cache_keeps_gpu_items_on_the_gpu_and_chains_load_bit_exact(tmp_path: Path) -> None:
+    policy = nvdcp.DeltaPolicy(full_every=4, gpu_cache_bytes=1 << 30)
+    saves = _chain(tmp_path, 3, policy, GpuConfig(gpu_memory_bytes=64 << 20))
+    assert set(_cache_devices(policy).values()) == {"cuda"}, _cache_devices(policy)
+    assert policy.cache.allocated == 0 and 0 < policy.cache.gpu_allocated <= 1 << 30
+    for i, (path, expected) in enumerate(saves):
+        md = nvdcp.NvcompReader(path).read_metadata()
+        deltas = {ix.fqn for ix, info in md.storage_data.items() if descriptor.is_delta(info)}
+        assert ({"w32", "w16", "big"} <= deltas) if i else not deltas, (i, deltas)
+        _load(path, CUDA, expected)
+        _load(path, torch.device("cpu"), expected)
+
+
+def test_gpu_cache_budget_spills_to_host_memory(tmp_path: Path) -> None:
+    """Room on the GPU for 4 MB: what does not fit there (big, 20 MB, at least) is kept in host memory."""
+    policy = nvdcp.DeltaPolicy(full_every=4, gpu_cache_bytes=4_096_000)
+    saves = _chain(tmp_path, 3, policy)
+    devices = _cache_devices(policy)
+    assert "cuda" in devices.values() and "cpu" in devices.values(), devices
+    assert policy.cache.gpu_allocated <= 4_096_000
+    for path, expected in saves:
+        _load(path, CUDA, expected)
+
+
+def test_gpu_cache_filled_from_storage_after_a_resume(tmp_path: Path) -> None:
+    """A resumed job's first delta save reads its bases back through host buffers into GPU slots."""
+    saves = _chain(tmp_path, 1, nvdcp.DeltaPolicy(full_every=4))
+    sd = {k: v.to(CUDA) for k, v in saves[0][1].items()}
+    policy = nvdcp.DeltaPolicy(full_every=4, gpu_cache_bytes=1 << 30)
+    policy.resume_from(saves[0][0])
+    _step(sd, 7)
+    dcp.save(sd, storage_writer=nvdcp.NvcompWriter(tmp_path / "resumed", delta=policy))
+    assert set(_cache_devices(policy).values()) == {"cuda"}
+    md = nvdcp.NvcompReader(tmp_path / "resumed").read_metadata()
+    assert {ix.fqn for ix, info in md.storage_data.items() if descriptor.is_delta(info)} >= {"w32", "w16", "big"}
+    _load(tmp_path / "resumed", CUDA, {k: v.cpu() for k, v in sd.items()})
+
+
+def test_gpu_cached_base_serves_a_save_from_host_tensors(tmp_path: Path) -> None:
+    """Bytes kept on the GPU, the next save from host copies (CPU codecs): the base is read off
+    the GPU and the item's new bytes are kept in host memory."""
+    policy = nvdcp.DeltaPolicy(full_every=4, gpu_cache_bytes=1 << 30)
+    sd = _state()
+    dcp.save(sd, storage_writer=nvdcp.NvcompWriter(tmp_path / "a", delta=policy))
+    _step(sd, 3)
+    host = {k: v.cpu() for k, v in sd.items()}
+    dcp.save(host, storage_writer=nvdcp.NvcompWriter(tmp_path / "b", delta=policy))
+    md = nvdcp.NvcompReader(tmp_path / "b").read_metadata()
+    assert {ix.fqn for ix, info in md.storage_data.items() if descriptor.is_delta(info)} >= {"w32", "big"}
+    assert set(_cache_devices(policy).values()) == {"cpu"}
+    _load(tmp_path / "b", torch.device("cpu"), host)
+    _load(tmp_path / "b", CUDA, host)
