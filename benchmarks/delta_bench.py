@@ -121,7 +121,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true",
                    help="per variant, one more delta save and load (against the checkpoint --profile-gap "
                         "steps earlier) and a full save and load of the same state, each under a stack "
-                        "sampler, with each one's phase times (JSON: profiles)")
+                        "sampler, with each one's phase times (JSON: profiles); with --gpu-cache-gib, "
+                        "its delta policies keep the base on the GPU")
     p.add_argument("--profile-gap", type=int, default=10, help="steps between the two states --profile uses")
     p.add_argument("--cuda-trace", action="store_true",
                    help="with --profile on CUDA: the delta and full saves once more under torch.profiler, "
@@ -396,7 +397,8 @@ def profile_delta(variant: str, base_state: dict[str, Any], state: dict[str, Any
         print(f"  [profile {variant}] {label}: {seconds:.3f} s", flush=True)
 
     for attempt in ("warm", "timed"):
-        policy = nvdcp.DeltaPolicy(full_every=8, min_gain=args.min_gain, min_item_bytes=args.min_item_bytes)
+        policy = nvdcp.DeltaPolicy(full_every=8, min_gain=args.min_gain, min_item_bytes=args.min_item_bytes,
+                                   gpu_cache_bytes=_gpu_cache_bytes(args))
         base = os.path.join(folder, f"{attempt}_base")
         dcp.save(base_state, storage_writer=nvdcp.NvcompWriter(base, delta=policy), no_dist=True)
         delta, full = os.path.join(folder, f"{attempt}_delta"), os.path.join(folder, f"{attempt}_full")
@@ -415,7 +417,8 @@ def profile_delta(variant: str, base_state: dict[str, Any], state: dict[str, Any
             # A fresh chain of saves --profile-gap apart: a full save, a first delta (it tries
             # every item), a delta as a chain's later saves run (items whose deltas did not pay
             # stored whole without a try: stack-sampled), and one more such delta, traced.
-            trace_policy = nvdcp.DeltaPolicy(full_every=8, min_gain=args.min_gain, min_item_bytes=args.min_item_bytes)
+            trace_policy = nvdcp.DeltaPolicy(full_every=8, min_gain=args.min_gain, min_item_bytes=args.min_item_bytes,
+                                             gpu_cache_bytes=_gpu_cache_bytes(args))
             for i, prior in enumerate(earlier):
                 dcp.save(prior, storage_writer=nvdcp.NvcompWriter(os.path.join(folder, f"trace_{i}"),
                                                                   delta=trace_policy), no_dist=True)
@@ -435,6 +438,11 @@ def profile_delta(variant: str, base_state: dict[str, Any], state: dict[str, Any
         policy.forget()
     shutil.rmtree(folder, ignore_errors=True)
     return out
+
+
+def _gpu_cache_bytes(args: argparse.Namespace) -> int:
+    """The profiles' DeltaPolicy(gpu_cache_bytes=...): ``--gpu-cache-gib`` on CUDA, else 0."""
+    return int(args.gpu_cache_gib * (1 << 30)) if args.device == "cuda" else 0
 
 
 def run_combo(variant: str, interval: int, states: list[tuple[int, dict[str, Any]]], root: str,

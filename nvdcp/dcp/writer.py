@@ -412,7 +412,10 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
                 commit.refuse(storage_md)  # this save's files go; the checkpoint there stays
                 self._commit = None
                 raise
-        base = self._plan_base if any(descriptor.is_delta(info) for info in storage_md.values()) else None
+        # no base planned: no rank wrote a delta (the scan is a Python call per item)
+        base = self._plan_base
+        if base is not None and not any(descriptor.is_delta(info) for info in storage_md.values()):
+            base = None
         blob = commit.commit(
             metadata, storage_md, self.path, self.save_id, digests=digests,
             delta=base.as_record() if base is not None else None,
