@@ -13,11 +13,11 @@ from nvdcp.format.header import TRANSFORM_BYTEPLANES, TRANSFORM_NONE
 from nvdcp.pipeline.policy import (
     CPU_AUTO_CODEC,
     GPU_AUTO_CODEC,
-    ZSTD_KEEP_RATIO,
-    ZSTD_RETRY_AFTER,
     Layout,
     choose_delta_layout,
     choose_layout,
+    ZSTD_KEEP_RATIO,
+    ZSTD_RETRY_AFTER,
     next_delta_plane_codecs,
     validate_codec_choice,
 )
