@@ -31,7 +31,6 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-from nvdcp.codecs import codec_name
 from nvdcp.dcp.metadata_io import load_metadata
 from nvdcp.dcp.stock_items import is_nvdcp_record
 from nvdcp.errors import IncompleteCheckpointError, MissingBaseError, NvdcpError
@@ -294,7 +293,6 @@ class CacheEntry:
     skip: int = 0  # saves left that store the item whole without trying a delta (it did not pay)
     failed_tries: int = 0  # tries in a row whose delta did not pay (the next skip doubles)
     delta_codecs: tuple[str, ...] | None = None  # plane codecs of its next GPU delta (how the last one did)
-    zstd_waits: tuple[int, ...] | None = None  # per plane, GPU deltas left before Zstd is tried again
 
 
 class _Arenas:
@@ -592,10 +590,8 @@ class DeltaSave:
         if entry is None:
             return
         if header is not None and header.is_delta:
-            used = tuple(codec_name(c) for c in header.plane_codecs)
-            codecs, waits = next_delta_plane_codecs(header.raw_nbytes, len(used), header.chunks.sizes, used,
-                                                    entry.zstd_waits)
-            entry.delta_codecs, entry.zstd_waits = codecs or None, waits or None
+            entry.delta_codecs = next_delta_plane_codecs(header.raw_nbytes, len(header.plane_codecs),
+                                                         header.chunks.sizes) or None
         if index in self._attempted:
             if whole_nbytes is not None:  # the delta was tried and did not pay
                 entry.skip = min(RETRY_AFTER << entry.failed_tries, RETRY_AFTER_MAX)

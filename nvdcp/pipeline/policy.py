@@ -65,24 +65,13 @@ def choose_layout(dtype: torch.dtype | None, codec: str, auto_codec: str = CPU_A
 
 
 #: A delta plane is given Zstd on the GPU when it stored at least this many times smaller than
-#: raw in the item's last delta under GDeflate (which caps there), else GDeflate. GDeflate's
-#: high-throughput mode (algorithm type 0) codes every byte with at least one bit: planes that are
-#: nearly all zero (a delta's high bytes; every byte of a bf16 weight that barely moved) stop at
-#: 7.75x under it, where Zstd stores them 100-3,000x smaller; on planes that still carry entropy
-#: GDeflate stores 10-30% less than Zstd (3.8x vs 2.9x, 5.4x vs 4.5x). Measured on the reference
-#: GPT's deltas on the H200: benchmarks/results/delta_codec_probe_2026-12-01_h200_session8.json.
+#: raw in the item's last delta, else GDeflate. GDeflate's high-throughput mode (algorithm type
+#: 0) codes every byte with at least one bit: planes that are nearly all zero (a delta's high
+#: bytes; every byte of a bf16 weight that barely moved) stop at 7.75x under it, where Zstd
+#: stores them 100-3,000x smaller; on planes that still carry entropy GDeflate stores 10-30% less
+#: than Zstd (3.8x vs 2.9x, 5.4x vs 4.5x). Measured on the reference GPT's deltas on the H200:
+#: benchmarks/results/delta_codec_probe_2026-12-01_h200_session8.json.
 ZSTD_PLANE_ABOVE_RATIO = 7.0
-#: A plane keeps Zstd while its last Zstd delta stored it at least this many times smaller.
-#: nvCOMP's Zstd compresses far slower than GDeflate where a plane is only moderately sparse
-#: (3.4-7 GB/s at 2.7-4.5x, 20-29 GB/s at 100x and more; GDeflate 27-42 GB/s throughout,
-#: delta_codec_probe_2026-12-01_h200_session8.json), and it was what kept a GPU delta save above
-#: a full one: a CUDA trace of an fp32 delta save had Zstd's kernels at 57 of 83 ms of kernel
-#: time, a full save's kernels 19 ms (delta_bench_2026-12-02_h200_session10_trace.json). Below
-#: this ratio GDeflate's 7.75x costs at most raw/7.75 - raw/20 = 8% of the plane more.
-ZSTD_KEEP_RATIO = 20.0
-#: A plane whose Zstd delta stored less than :data:`ZSTD_KEEP_RATIO` gets GDeflate for this many
-#: deltas before Zstd is tried again (GDeflate's capped ratio cannot tell how far a plane would go).
-ZSTD_RETRY_AFTER = 4
 #: Codecs the GPU's auto choice gives delta planes (both decode on the CPU).
 DELTA_PLANE_CODECS = ("gdeflate", "zstd")
 
@@ -115,36 +104,13 @@ def choose_delta_layout(dtype: torch.dtype, codec: str, auto_codec: str = CPU_AU
     return Layout(TRANSFORM_BYTEPLANES, (chosen,) * size)
 
 
-def next_delta_plane_codecs(raw_nbytes: int, n_planes: int, chunk_sizes: np.ndarray,
-                            used: tuple[str, ...] | None = None, waits: tuple[int, ...] | None = None,
-                            ) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """The plane codecs an item's next delta gets on the GPU, from its last delta record, and
-    each plane's deltas left before Zstd is tried again.
-
-    Per plane: stored with Zstd (``used``) at :data:`ZSTD_KEEP_RATIO` or more: Zstd again; with
-    Zstd below it: GDeflate for :data:`ZSTD_RETRY_AFTER` deltas; otherwise Zstd once its wait is
-    over and it stored :data:`ZSTD_PLANE_ABOVE_RATIO` times smaller than raw or more (GDeflate's
-    cap is near), else GDeflate. ``chunk_sizes``: the record's stored chunk sizes in record order
-    (block-major: chunk i is plane ``i % n_planes``, docs/FORMAT.md); ``raw_nbytes``: the item's
-    size; ``waits``: what the previous call returned for the item. ``((), ())`` when the record
-    cannot be read that way."""
+def next_delta_plane_codecs(raw_nbytes: int, n_planes: int, chunk_sizes: np.ndarray) -> tuple[str, ...]:
+    """The plane codecs an item's next delta gets on the GPU, from its last delta record: Zstd
+    for planes stored :data:`ZSTD_PLANE_ABOVE_RATIO` times smaller than raw or more, GDeflate for
+    the rest. ``chunk_sizes``: the record's stored chunk sizes in record order (block-major:
+    chunk i is plane ``i % n_planes``, docs/FORMAT.md); ``raw_nbytes``: the item's size."""
     if raw_nbytes <= 0 or n_planes < 1 or not len(chunk_sizes) or len(chunk_sizes) % n_planes:
-        return (), ()
-    stored = np.asarray(chunk_sizes, dtype=np.int64).reshape(-1, n_planes).sum(axis=0).tolist()
+        return ()
+    stored = np.asarray(chunk_sizes, dtype=np.int64).reshape(-1, n_planes).sum(axis=0)
     plane_bytes = raw_nbytes / n_planes
-    used = used if used is not None and len(used) == n_planes else (GPU_AUTO_CODEC,) * n_planes
-    waits = waits if waits is not None and len(waits) == n_planes else (0,) * n_planes
-    codecs, left = [], []
-    for s, codec, wait in zip(stored, used, waits):
-        ratio = plane_bytes / max(1, s)
-        if codec == "zstd":
-            keep = ratio >= ZSTD_KEEP_RATIO
-            codecs.append("zstd" if keep else GPU_AUTO_CODEC)
-            left.append(0 if keep else ZSTD_RETRY_AFTER)
-        elif wait > 0:
-            codecs.append(GPU_AUTO_CODEC)
-            left.append(wait - 1)
-        else:
-            codecs.append("zstd" if ratio >= ZSTD_PLANE_ABOVE_RATIO else GPU_AUTO_CODEC)
-            left.append(0)
-    return tuple(codecs), tuple(left)
+    return tuple("zstd" if plane_bytes >= ZSTD_PLANE_ABOVE_RATIO * max(1, int(s)) else GPU_AUTO_CODEC for s in stored)

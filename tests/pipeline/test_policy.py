@@ -16,8 +16,6 @@ from nvdcp.pipeline.policy import (
     Layout,
     choose_delta_layout,
     choose_layout,
-    ZSTD_KEEP_RATIO,
-    ZSTD_RETRY_AFTER,
     next_delta_plane_codecs,
     validate_codec_choice,
 )
@@ -175,27 +173,11 @@ def test_next_delta_plane_codecs_by_each_planes_ratio() -> None:
     # stored 64 KiB (1x), 20 KiB (3.2x), 9,363 B (just over 7x), 9,364 B (just under 7x)
     per_plane = (32768, 10240, 4681, 4682)
     sizes = np.array(per_plane * 2, dtype=np.uint32)
-    assert next_delta_plane_codecs(256 << 10, 4, sizes) == (("gdeflate", "gdeflate", "zstd", "gdeflate"), (0,) * 4)
-    assert next_delta_plane_codecs(256 << 10, 4, np.full(8, 10, dtype=np.uint32))[0] == ("zstd",) * 4
-    assert next_delta_plane_codecs(100, 1, np.array([0], dtype=np.uint32))[0] == ("zstd",)  # stored in 0 bytes
-
-
-def test_a_plane_keeps_zstd_only_where_it_compressed_far_past_gdeflates_cap() -> None:
-    """Stored with Zstd: 64 KiB per plane at 30x keeps Zstd; at 10x (GDeflate stores it within
-    8% of the plane as much) it gets GDeflate for ZSTD_RETRY_AFTER deltas, then Zstd again."""
-    plane = 64 << 10
-    sizes = np.array([plane // 30, plane // 10], dtype=np.uint32)
-    codecs, waits = next_delta_plane_codecs(2 * plane, 2, sizes, ("zstd", "zstd"))
-    assert codecs == ("zstd", "gdeflate") and waits == (0, ZSTD_RETRY_AFTER)
-    capped = np.array([plane // 30, int(plane / 7.75)], dtype=np.uint32)  # GDeflate at its cap
-    seen = []
-    for _ in range(ZSTD_RETRY_AFTER + 1):
-        codecs, waits = next_delta_plane_codecs(2 * plane, 2, capped, ("zstd", "gdeflate"), waits)
-        seen.append(codecs[1])
-    assert seen == ["gdeflate"] * ZSTD_RETRY_AFTER + ["zstd"]
-    assert ZSTD_KEEP_RATIO > 7.75
+    assert next_delta_plane_codecs(256 << 10, 4, sizes) == ("gdeflate", "gdeflate", "zstd", "gdeflate")
+    assert next_delta_plane_codecs(256 << 10, 4, np.full(8, 10, dtype=np.uint32)) == ("zstd",) * 4
+    assert next_delta_plane_codecs(100, 1, np.array([0], dtype=np.uint32)) == ("zstd",)  # stored in 0 bytes
 
 
 @pytest.mark.parametrize("raw, planes, n_chunks", [(0, 4, 0), (100, 4, 3), (100, 0, 1), (100, 2, 0)])
 def test_next_delta_plane_codecs_gives_nothing_for_what_it_cannot_read(raw: int, planes: int, n_chunks: int) -> None:
-    assert next_delta_plane_codecs(raw, planes, np.ones(n_chunks, dtype=np.uint32)) == ((), ())
+    assert next_delta_plane_codecs(raw, planes, np.ones(n_chunks, dtype=np.uint32)) == ()
