@@ -296,24 +296,29 @@ class CacheEntry:
 
 
 class _Arenas:
-    """Slots carved from arenas of one device's memory (pinned host memory when ``pin``),
-    within ``budget`` bytes of arenas, tails included."""
+    """Slots carved from arenas of one device's memory (pinned host memory when ``pin``); the
+    caller says how many more arena bytes it may allocate (``room``)."""
 
-    def __init__(self, budget: int, device: torch.device, pin: bool = False) -> None:
-        self.budget, self.device, self.pin = budget, device, pin
+    def __init__(self, device: torch.device, pin: bool = False) -> None:
+        self.device, self.pin = device, pin
         self._arenas: list[torch.Tensor] = []
         self._free_at = 0  # bytes used of the last arena
         self.used = 0  # bytes of the slots handed out
         self.allocated = 0  # bytes of the arenas
+        self.exhausted = False  # an allocation failed (GPU memory taken by training): no more tries
 
-    def carve(self, nbytes: int) -> torch.Tensor | None:
+    def carve(self, nbytes: int, room: int) -> torch.Tensor | None:
         if not self._arenas or self._free_at + nbytes > self._arenas[-1].numel():
-            room = self.budget - self.allocated
-            if nbytes > room:
+            if nbytes > room or self.exhausted:
                 return None
             size = min(max(ARENA_BYTES, nbytes), room)
             pin = self.pin and self.device.type == "cpu"
-            self._arenas.append(torch.empty(size, dtype=torch.uint8, device=self.device, pin_memory=pin))
+            try:
+                arena = torch.empty(size, dtype=torch.uint8, device=self.device, pin_memory=pin)
+            except torch.OutOfMemoryError:
+                self.exhausted = True  # the GPU's memory belongs to training: spill to the host part
+                return None
+            self._arenas.append(arena)
             self.allocated += size
             self._free_at = 0
         arena = self._arenas[-1]
@@ -328,8 +333,10 @@ class BaseCache:
     items the GPU encodes, ``gpu_budget`` bytes of each GPU's memory (used first for them: the
     next save's delta then reads its base, and this save keeps its bytes, without crossing PCIe).
 
-    Memory is carved from arenas and kept for the job's life (an item's slot is reused while its
-    size stays the same); :meth:`clear` frees it all.
+    Memory is carved from arenas and kept for the job's life: an item's slot is reused while its
+    size stays the same, wherever it is (an item kept on a GPU and saved once from a host copy,
+    as ``dcp.async_save`` stages it, keeps its GPU slot; the CPU encoder copies across); a GPU
+    arena that cannot be allocated sends the items to the host part. :meth:`clear` frees it all.
     """
 
     def __init__(self, budget: int, gpu_budget: int = 0) -> None:
@@ -373,18 +380,17 @@ class BaseCache:
     def slot(self, index: MetadataIndex, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...], pin: bool,
              device: torch.device | None = None) -> CacheEntry | None:
         """The entry that receives ``index``'s bytes of the save being written: its own slot when
-        the size is unchanged (and it is in host memory, or ``device`` is a GPU), a new one within
-        the budgets, else None (the item is not kept). ``device``: the GPU that encodes the item
-        (its slot is in that GPU's memory while ``gpu_budget`` allows), None: host memory."""
-        on_gpu = device is not None and device.type == "cuda"
+        the size is unchanged (host or GPU memory), a new one within the budgets, else None (the
+        item is not kept). ``device``: the GPU that encodes the item (a new slot is in that GPU's
+        memory while ``gpu_budget`` allows), None: host memory."""
         with self._lock:
             entry = self.entries.get(index)
-            if entry is not None and entry.data.numel() == nbytes and (on_gpu or not entry.data.is_cuda):
+            if entry is not None and entry.data.numel() == nbytes:
                 entry.dtype, entry.shape = dtype, shape
                 return entry
             if entry is not None:
-                del self.entries[index]  # resharded, or now encoded on the host: its old slot is lost until clear()
-            data = self._carve(nbytes, pin, device if on_gpu else None)
+                del self.entries[index]  # resharded: its old slot is lost until clear()
+            data = self._carve(nbytes, pin, device if device is not None and device.type == "cuda" else None)
             if data is None:
                 return None
             entry = CacheEntry(data, dtype, shape)
@@ -393,18 +399,16 @@ class BaseCache:
 
     def _carve(self, nbytes: int, pin: bool, device: torch.device | None) -> torch.Tensor | None:
         if device is not None and self.gpu_budget > 0:
-            arenas = self._gpu.get(device)
-            if arenas is None:
-                arenas = self._gpu[device] = _Arenas(self.gpu_budget, device)
-            data = arenas.carve(nbytes)
+            gpu = self._gpu.get(device)
+            if gpu is None:
+                gpu = self._gpu[device] = _Arenas(device)
+            data = gpu.carve(nbytes, self.gpu_budget - gpu.allocated)
             if data is not None:
                 return data
-        if self.budget <= 0:
-            return None
         host = self._host.get(pin)
         if host is None:
-            host = self._host[pin] = _Arenas(self.budget - self.allocated, torch.device("cpu"), pin)
-        return host.carve(nbytes)
+            host = self._host[pin] = _Arenas(torch.device("cpu"), pin)
+        return host.carve(nbytes, self.budget - self.allocated)  # one budget for every host arena
 
     def clear(self) -> None:
         with self._lock:
@@ -480,16 +484,18 @@ class DeltaSave:
         buffers of at most ``PREFETCH_STAGING_BYTES`` at a time (the reader decodes into host memory)."""
         headers = reader.items_raw_into({ix: e.data for ix, e in slots.items() if not e.data.is_cuda}, threads)
         batch: list[tuple[MetadataIndex, CacheEntry]] = []
+        staged = 0
         on_gpu = [(ix, e) for ix, e in slots.items() if e.data.is_cuda]
         for i, (index, entry) in enumerate(on_gpu):
             batch.append((index, entry))
-            if i + 1 < len(on_gpu) and sum(e.data.numel() for _, e in batch) < PREFETCH_STAGING_BYTES:
+            staged += entry.data.numel()
+            if i + 1 < len(on_gpu) and staged < PREFETCH_STAGING_BYTES:
                 continue
             staging = {ix: torch.empty(e.data.numel(), dtype=torch.uint8) for ix, e in batch}
             headers.update(reader.items_raw_into(staging, threads))
             for ix, e in batch:
                 e.data.copy_(staging[ix])
-            batch = []
+            batch, staged = [], 0
         return headers
 
     def _slot_device(self, tensor: torch.Tensor) -> torch.device | None:
@@ -511,9 +517,7 @@ class DeltaSave:
             hit.skip -= 1  # its delta did not pay lately: stored whole, its bytes still kept
             keep = self.cache.slot(index, nbytes, dtype, shape, self.pin, device) if slot and self.cache else None
             return self._keep_only(tensor, keep)
-        base = hit.data if hit is not None else None
-        if base is not None and base.is_cuda and device is None:
-            base = base.cpu()  # kept on a GPU, encoded on the host now: the CPU encoder reads host memory
+        base = hit.data if hit is not None else None  # GPU memory for a host tensor: the CPU encoder copies
         digest = hit.digest if hit is not None else None
         whole = hit.whole_nbytes if hit is not None else None
         keep = self.cache.slot(index, nbytes, dtype, shape, self.pin, device) if slot and self.cache else None

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
+import numpy as np
 import torch
 
 #: Default ``min_gain``: a delta is kept only if it is at least this fraction smaller than the
@@ -75,6 +76,20 @@ class DeltaInput:
     #: each plane's codec for a GPU delta with ``codec="auto"``, from how the item's last delta
     #: compressed (:func:`nvdcp.pipeline.policy.next_delta_plane_codecs`); None: the default
     plane_codecs: tuple[str, ...] | None = None
+
+    def host_base(self) -> np.ndarray:
+        """The base's bytes in host memory, for the CPU encoder (a copy when it is kept on a GPU)."""
+        assert self.base is not None
+        return (self.base if self.base.device.type == "cpu" else self.base.cpu()).numpy()
+
+    def store_kept(self, raw: np.ndarray) -> None:
+        """Write the item's raw bytes (host memory) to ``keep``, wherever that is: only once
+        every read of the base is done (they may be the same memory)."""
+        assert self.keep is not None
+        if self.keep.device.type == "cpu":
+            self.keep.numpy()[:] = raw
+        else:
+            self.keep.copy_(torch.from_numpy(raw))
 
     def pays(self, delta_nbytes: int) -> bool:
         """Whether a delta record of ``delta_nbytes`` is worth keeping over the item stored whole."""

@@ -174,12 +174,12 @@ class ItemEncoder:
             encoded = encode(layout=choose_layout(tensor.dtype, codec))
         else:
             assert delta is not None and delta.base is not None
-            encoded = encode(layout=layout, base=delta.base.numpy(), base_digest=delta.base_digest,
+            encoded = encode(layout=layout, base=delta.host_base(), base_digest=delta.base_digest,
                              delta_kind=delta_transform.kind_for(tensor.dtype))
             if delta.wants_whole(encoded.nbytes):
                 encoded = delta.choose(encoded, encode(layout=choose_layout(tensor.dtype, codec)))
         if delta is not None and delta.keep is not None:
-            delta.keep.numpy()[:] = raw  # after the XOR read the base there
+            delta.store_kept(raw)  # after the XOR read the base there
         return encoded
 
     # -- the GPU path --------------------------------------------------------------------------
@@ -332,7 +332,7 @@ class ItemEncoder:
             for i in host:  # every base is read by now: kept bytes may overwrite it
                 data = datas[i]
                 if isinstance(data, DeltaTensor) and data.delta.keep is not None:
-                    data.delta.keep.numpy()[:] = tensor_to_host_bytes(data.tensor)
+                    data.delta.store_kept(tensor_to_host_bytes(data.tensor))
         for i, (key, data) in enumerate(zip(keys, datas)):
             if out[i] is None:
                 out[i] = self._encode_cpu(data, key, describe)
@@ -361,7 +361,7 @@ class ItemEncoder:
         tensors = [d.tensor for d in datas]
         codes = _dtype_codes(tensors, keys, describe)
         records = encode_delta_batch(
-            tensors, [d.delta.base.numpy() for d in datas],  # type: ignore[union-attr]
+            tensors, [d.delta.host_base() for d in datas],
             [d.delta.base_digest for d in datas], codes,  # type: ignore[misc]
             functools.partial(choose_delta_layout, codec=self.config.codec), self.config.chunk_bytes, self.config.threads,
         )

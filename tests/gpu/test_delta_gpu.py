@@ -6,6 +6,7 @@ Run on the H200 device machine (DEVELOPERS.md); skipped without CUDA and nvidia-
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 import nvdcp
 from nvdcp.codecs import codec_name
 from nvdcp.dcp import descriptor
+from nvdcp.dcp.delta import DeltaSave
 from nvdcp.format.header import parse_item_header
 from nvdcp.gpu.config import GpuConfig
 from tests.conftest import bit_equal, weights_like
@@ -148,9 +150,26 @@ def _cache_devices(policy: nvdcp.DeltaPolicy) -> dict[str, str]:
     return {ix.fqn: entry.data.device.type for ix, entry in policy.cache.entries.items()}
 
 
-def test_gpu_cache_keeps_gpu_items_on_the_gpu_and_chains_load_bit_exact(tmp_path: Path) -> None:
+def _no_reads_back(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """Record every base read back from storage one item at a time (a cache miss)."""
+    reads: list[object] = []
+    original = DeltaSave._read_base
+
+    def spy(self: DeltaSave, index: Any, *args: Any, **kwargs: Any) -> Any:
+        reads.append(index)
+        return original(self, index, *args, **kwargs)
+
+    monkeypatch.setattr(DeltaSave, "_read_base", spy)
+    return reads
+
+
+def test_gpu_cache_keeps_gpu_items_on_the_gpu_and_chains_load_bit_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    reads = _no_reads_back(monkeypatch)
     policy = nvdcp.DeltaPolicy(full_every=4, gpu_cache_bytes=1 << 30)
     saves = _chain(tmp_path, 3, policy, GpuConfig(gpu_memory_bytes=64 << 20))
+    assert not reads  # every base came from the GPU part of the cache
     assert set(_cache_devices(policy).values()) == {"cuda"}, _cache_devices(policy)
     assert policy.cache.allocated == 0 and 0 < policy.cache.gpu_allocated <= 1 << 30
     for i, (path, expected) in enumerate(saves):
@@ -172,31 +191,63 @@ def test_gpu_cache_budget_spills_to_host_memory(tmp_path: Path) -> None:
         _load(path, CUDA, expected)
 
 
-def test_gpu_cache_filled_from_storage_after_a_resume(tmp_path: Path) -> None:
-    """A resumed job's first delta save reads its bases back through host buffers into GPU slots."""
+def test_gpu_cache_spills_to_host_memory_when_the_gpu_has_no_room(tmp_path: Path) -> None:
+    """The process may not allocate the cache's first GPU arena (torch's per-process memory
+    fraction, as a training job that holds the GPU's memory): the save keeps its bytes in host
+    memory instead of failing, and the chain stays deltas."""
+    total = torch.cuda.get_device_properties(CUDA).total_memory
+    sd = _state()
+    torch.cuda.synchronize()
+    room = torch.cuda.memory_reserved(CUDA) + (128 << 20)  # the save's buckets fit, a 256 MiB arena does not
+    torch.cuda.set_per_process_memory_fraction(room / total, CUDA)
+    try:
+        policy = nvdcp.DeltaPolicy(full_every=4, gpu_cache_bytes=8 << 30)
+        for i in range(2):
+            dcp.save(sd, storage_writer=nvdcp.NvcompWriter(tmp_path / f"s{i}", delta=policy,
+                                                          gpu=GpuConfig(gpu_memory_bytes=32 << 20)))
+            _step(sd, i)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, CUDA)
+    assert policy.cache.gpu_allocated == 0 and set(_cache_devices(policy).values()) == {"cpu"}
+    md = nvdcp.NvcompReader(tmp_path / "s1").read_metadata()
+    assert {ix.fqn for ix, info in md.storage_data.items() if descriptor.is_delta(info)} >= {"w32", "big"}
+
+
+def test_gpu_cache_filled_from_storage_after_a_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A resumed job's first delta save reads its bases back in groups (prefetch) through host
+    buffers into GPU slots: no item is read back on its own."""
     saves = _chain(tmp_path, 1, nvdcp.DeltaPolicy(full_every=4))
     sd = {k: v.to(CUDA) for k, v in saves[0][1].items()}
     policy = nvdcp.DeltaPolicy(full_every=4, gpu_cache_bytes=1 << 30)
     policy.resume_from(saves[0][0])
     _step(sd, 7)
+    reads = _no_reads_back(monkeypatch)
     dcp.save(sd, storage_writer=nvdcp.NvcompWriter(tmp_path / "resumed", delta=policy))
+    assert not reads
     assert set(_cache_devices(policy).values()) == {"cuda"}
     md = nvdcp.NvcompReader(tmp_path / "resumed").read_metadata()
     assert {ix.fqn for ix, info in md.storage_data.items() if descriptor.is_delta(info)} >= {"w32", "w16", "big"}
     _load(tmp_path / "resumed", CUDA, {k: v.cpu() for k, v in sd.items()})
 
 
-def test_gpu_cached_base_serves_a_save_from_host_tensors(tmp_path: Path) -> None:
-    """Bytes kept on the GPU, the next save from host copies (CPU codecs): the base is read off
-    the GPU and the item's new bytes are kept in host memory."""
-    policy = nvdcp.DeltaPolicy(full_every=4, gpu_cache_bytes=1 << 30)
+def test_gpu_cached_items_keep_their_gpu_slots_through_a_save_from_host_tensors(tmp_path: Path) -> None:
+    """Bytes kept on the GPU; the next save from host copies (CPU codecs, as dcp.async_save
+    stages them) reads the bases off the GPU and keeps its bytes in the same GPU slots; the save
+    after it, from the GPU again, finds them there. No slot is allocated twice."""
+    policy = nvdcp.DeltaPolicy(full_every=8, gpu_cache_bytes=1 << 30)
     sd = _state()
     dcp.save(sd, storage_writer=nvdcp.NvcompWriter(tmp_path / "a", delta=policy))
+    allocated, used = policy.cache.gpu_allocated, policy.cache.used
     _step(sd, 3)
     host = {k: v.cpu() for k, v in sd.items()}
     dcp.save(host, storage_writer=nvdcp.NvcompWriter(tmp_path / "b", delta=policy))
-    md = nvdcp.NvcompReader(tmp_path / "b").read_metadata()
-    assert {ix.fqn for ix, info in md.storage_data.items() if descriptor.is_delta(info)} >= {"w32", "big"}
-    assert set(_cache_devices(policy).values()) == {"cpu"}
+    _step(sd, 4)
+    dcp.save(sd, storage_writer=nvdcp.NvcompWriter(tmp_path / "c", delta=policy))
+    assert set(_cache_devices(policy).values()) == {"cuda"}
+    assert (policy.cache.gpu_allocated, policy.cache.used, policy.cache.allocated) == (allocated, used, 0)
+    for name in ("b", "c"):
+        md = nvdcp.NvcompReader(tmp_path / name).read_metadata()
+        assert {ix.fqn for ix, info in md.storage_data.items() if descriptor.is_delta(info)} >= {"w32", "big"}, name
     _load(tmp_path / "b", torch.device("cpu"), host)
     _load(tmp_path / "b", CUDA, host)
+    _load(tmp_path / "c", CUDA, {k: v.cpu() for k, v in sd.items()})
