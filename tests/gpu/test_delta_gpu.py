@@ -5,6 +5,7 @@ Run on the H200 device machine (DEVELOPERS.md); skipped without CUDA and nvidia-
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 from typing import Any
 
@@ -197,7 +198,11 @@ def test_gpu_cache_spills_to_host_memory_when_the_gpu_has_no_room(tmp_path: Path
     memory instead of failing, and the chain stays deltas."""
     total = torch.cuda.get_device_properties(CUDA).total_memory
     sd = _state()
+    # Earlier tests' cache arenas (256 MiB) sit free in torch's allocator cache: a new arena would
+    # reuse one without reserving anything. Hand them back first.
+    gc.collect()
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     room = torch.cuda.memory_reserved(CUDA) + (128 << 20)  # the save's buckets fit, a 256 MiB arena does not
     torch.cuda.set_per_process_memory_fraction(room / total, CUDA)
     try:
