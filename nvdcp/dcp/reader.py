@@ -1737,9 +1737,9 @@ def _flat_destination(target: torch.Tensor, dtype: torch.dtype | None, shape: tu
     """``target``'s memory as flat uint8 when the stored tensor can be decoded straight into it:
     a dense CPU tensor of the stored dtype and shape (no lazy conjugation or negation). Few torch
     calls: this runs once per item."""
-    if type(target) is not torch.Tensor or target.dtype != dtype or target.shape != shape:
+    if type(target) is not torch.Tensor or not target.is_cpu or target.dtype != dtype or target.shape != shape:
         return None
-    if target.device.type != "cpu" or not target.is_contiguous():
+    if not target.is_contiguous():
         return None
     if dtype.is_complex and (target.is_conj() or target.is_neg()):
         return None
