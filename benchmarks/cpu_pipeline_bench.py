@@ -347,8 +347,15 @@ def main() -> None:
     ap.add_argument("--decode-device", default="auto", choices=["auto", "cuda", "cpu"],
                     help="NvcompReader's GpuConfig(decode_device=...) on a GPU machine")
     ap.add_argument("--device", default="cpu", help="where the state's tensors live (cpu, or cuda: GPU tensors)")
+    ap.add_argument("--no-early-writeback", action="store_true",
+                    help="nvdcp data files start no writeback before their fsync (an A/B of "
+                         "nvdcp.storage.local.WRITEBACK_BYTES; JSON suffix _no_writeback)")
     ap.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.no_early_writeback:
+        from nvdcp.storage import local
+
+        local.WRITEBACK_BYTES = 1 << 62
     if args.rss_child:
         _rss_child(args.rss_child)
         return
@@ -373,7 +380,8 @@ def main() -> None:
                         f"{args.dir}, page cache warm; load average at the end {load}",
         "settings": vars(args), "targets": TARGETS, "rows": rows,
     }, args.out, suffix=("" if args.device == "cpu" else f"_{args.device}")
-       + ("" if args.decode_device == "auto" else f"_decode_{args.decode_device}"))
+       + ("" if args.decode_device == "auto" else f"_decode_{args.decode_device}")
+       + ("_no_writeback" if args.no_early_writeback else ""))
     print(f"\n-> {target}  (machine: {machine()})")
 
 

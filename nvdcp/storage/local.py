@@ -133,6 +133,26 @@ _PWRITEV = _libc_vectored("pwritev")
 _PREADV = _libc_vectored("preadv")
 
 
+def _libc_sync_file_range() -> Any:
+    """Linux's ``sync_file_range`` through ctypes, or None (other systems: fsync alone)."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _libc_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2  # start writeback of the range's dirty pages; do not wait for it
+#: A data file written with ``sync`` starts the writeback of every this many new bytes as it
+#: goes, so the disk writes while the next items compress and the fsync at commit finds less
+#: left. On the CPU machine's disk, 225 MiB written in 1 MiB pieces with 1.1 ms of work between
+#: them took 0.67 s, fsync included, against 0.77 s without (medians of 4, alternating; a one-off script).
+WRITEBACK_BYTES = 8 << 20
+
+
 def _iovecs(head: Buffer | None, spans: ChunkSpans) -> tuple[np.ndarray, list[np.ndarray]]:
     """``struct iovec`` rows (address, length) for ``head`` (if any) and every chunk of
     ``spans``, built with numpy (no object per chunk), and the arrays whose memory they point into."""
@@ -255,6 +275,17 @@ class _LocalWriteStream(WriteStream):
         except OSError as exc:
             raise _storage_error(exc, f"cannot create {path}", path) from exc
         self._pos = 0
+        self._written_back = 0  # bytes whose writeback was started (WRITEBACK_BYTES)
+
+    def _start_writeback(self) -> None:
+        """Start the writeback of what was written since the last call, once it is
+        ``WRITEBACK_BYTES`` or more (files written with ``sync`` only: they are fsync'd anyway).
+        A failure here is not reported: the fsync at commit reports any write error."""
+        pending = self._pos - self._written_back
+        if not self.sync or _SYNC_FILE_RANGE is None or pending < WRITEBACK_BYTES:
+            return
+        _SYNC_FILE_RANGE(self._file.fileno(), self._written_back, pending, _SYNC_FILE_RANGE_WRITE)
+        self._written_back = self._pos
 
     def write(self, data: Buffer) -> None:
         self.writelines([data])
@@ -278,6 +309,7 @@ class _LocalWriteStream(WriteStream):
         except OSError as exc:
             raise _storage_error(exc, f"writing {self.path}", self.path) from exc
         self._pos += total
+        self._start_writeback()
 
     def write_spans(self, head: Buffer, spans: ChunkSpans, parallel: bool = True) -> None:
         if _PWRITEV is None:
@@ -297,6 +329,7 @@ class _LocalWriteStream(WriteStream):
         finally:
             del keep  # the buffers the rows point into lived until every call returned
         self._pos += total
+        self._start_writeback()
 
     def commit(self) -> None:
         try:
