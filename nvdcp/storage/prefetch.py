@@ -67,6 +67,7 @@ class _Stream:
     streak: int = 0  # consecutive reads that moved forward
     scheduled_end: int = 0  # end of the furthest extent scheduled
     size: int | None = None  # the object's size, once a GET told it
+    direct: bool = False  # its reader reads whole parts or more at once: nothing more is scheduled
 
 
 class Prefetcher:
@@ -91,7 +92,7 @@ class Prefetcher:
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         #: extents fetched / reads served from them, for tests and benchmarks
-        self.stats = {"extents": 0, "hits": 0, "partial_hits": 0, "misses": 0, "dropped_bytes": 0}
+        self.stats = {"extents": 0, "hits": 0, "partial_hits": 0, "misses": 0, "dropped_bytes": 0, "stopped": 0}
 
     # -- sizes ---------------------------------------------------------------------------------
     def learn_size(self, key: str, size: int) -> None:
@@ -111,7 +112,15 @@ class Prefetcher:
         """``length`` bytes at ``offset`` from prefetched extents, or None when the first byte is
         not in one (the caller reads it itself). Also schedules prefetches: ``fetch(start, n)``
         fetches an extent (up to ``n`` bytes); ``exact(start, n)`` reads the part of a read that
-        extends past the extents (exactly ``n`` bytes, or raises)."""
+        extends past the extents (exactly ``n`` bytes, or raises).
+
+        A read of at least one part stops the prefetching of its object (extents already
+        scheduled still serve reads): such a reader (the GPU path, which reads a whole record's
+        chunks into staging at once) keeps more GETs in flight by itself, split into the
+        storage's read parts, than extents of one GET each would. On the H200 device
+        (benchmarks/s3_read_knobs.py, docs/S3.md "Read settings"), 400 MB of 64 MiB GPU tensors
+        loaded in 0.70 s with prefetching and 16 MiB read parts, 0.58 s without prefetching and
+        8 MiB parts (s3torchconnector: 0.60 s)."""
         self._note(key, offset, length, fetch)
         pieces = self._take(key, offset, length)
         if not pieces:
@@ -191,7 +200,10 @@ class Prefetcher:
             # Extents wholly behind this read by more than a window will not be read.
             for ext in [e for e in stream.extents if e.end < offset - self.window]:
                 self._discard(stream, ext)
-            if stream.streak + 1 < self.min_streak:
+            if length >= self.part and not stream.direct:
+                stream.direct = True
+                self.stats["stopped"] += 1
+            if stream.direct or stream.streak + 1 < self.min_streak:
                 return
             start = max(stream.scheduled_end, end)
             limit = stream.last_end + self.window

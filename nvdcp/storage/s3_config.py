@@ -95,8 +95,8 @@ class S3Config:
     part_growth_every: int = 1000
     min_part_size: int = S3_MIN_PART_SIZE
     max_inflight_parts: int = 8
-    max_concurrency: int = 16
-    read_part_size: int = 16 * MiB
+    max_concurrency: int = 32
+    read_part_size: int = 8 * MiB
     coalesce_gap: int = 1 * MiB
     readahead_size: int = 8 * MiB
     readahead_blocks: int = 8

@@ -435,6 +435,44 @@ def test_prefetch_is_not_started_by_random_reads(s3env: S3Env) -> None:
     assert store._prefetch is not None and store._prefetch.stats["extents"] == 0
 
 
+def test_prefetch_stops_for_a_reader_that_reads_whole_parts(s3env: S3Env) -> None:
+    """The GPU reader reads a whole record's chunks at once: a read of at least one prefetch part
+    stops the object's prefetching (its own read splits into concurrent GETs of read_part_size,
+    more in flight than extents of one GET each). Small reads before it may have scheduled
+    extents; those still serve reads, and nothing new is scheduled after it."""
+    data = _data(64 * P + 5)
+    S3Storage(s3env.url("pf5"), **FAST).write_atomic("f", data)
+    with FaultProxy(s3env.endpoint) as proxy:
+        store = S3Storage(s3env.url("pf5"), endpoint_url=proxy.endpoint, read_part_size=2 * P, **PREFETCH)
+        assert bytes(store.read_range("f", 0, 100)) == data[:100]  # a header
+        assert bytes(store.read_range("f", 100, 6 * P)) == data[100 : 100 + 6 * P]  # its record, >= a part
+        assert store._prefetch is not None
+        assert store._prefetch.stats["stopped"] == 1 and store._prefetch.stats["extents"] == 0
+        for off in range(6 * P + 100, len(data), 6 * P):
+            assert bytes(store.read_range("f", off, 50)) == data[off : off + 50]
+            n = min(6 * P, len(data) - off)
+            assert bytes(store.read_range("f", off, n)) == data[off : off + n]
+        assert store._prefetch.stats["extents"] == 0  # never started again
+        # each large read went out as GETs of read_part_size, not one GET per read
+        assert proxy.requests["GET"] >= 2 * (len(data) // (6 * P))
+    assert store._prefetch.held_bytes() == 0
+
+
+def test_prefetch_extents_scheduled_before_a_whole_part_read_still_serve_it(s3env: S3Env) -> None:
+    data = _data(40 * P)
+    S3Storage(s3env.url("pf6"), **FAST).write_atomic("f", data)
+    store = S3Storage(s3env.url("pf6"), **PREFETCH)
+    assert bytes(store.read_range("f", 0, P)) == data[:P]
+    assert bytes(store.read_range("f", P, P)) == data[P : 2 * P]  # prefetch starts here
+    assert store._prefetch is not None and store._prefetch.stats["extents"] > 0
+    scheduled = store._prefetch.stats["extents"]
+    assert bytes(store.read_range("f", 2 * P, 8 * P)) == data[2 * P : 10 * P]  # served (partly) by them
+    assert store._prefetch.stats["stopped"] == 1
+    assert store._prefetch.stats["hits"] + store._prefetch.stats["partial_hits"] >= 1
+    assert bytes(store.read_range("f", 10 * P, 30 * P)) == data[10 * P :]
+    assert store._prefetch.stats["extents"] == scheduled
+
+
 def test_prefetch_forget_cached_reads_the_store_again(s3env: S3Env) -> None:
     """A re-read after a CRC mismatch (forget_cached) must fetch from S3, not serve the bytes
     prefetched before; replacing the object through the storage drops them too."""
