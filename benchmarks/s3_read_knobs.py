@@ -35,14 +35,14 @@ MiB = 1 << 20
 #: name -> NvcompReader storage_options (S3Config fields) and thread_count
 VARIANTS: dict[str, dict[str, Any]] = {
     "nvdcp default": {},
-    "before session 11 (16M read parts, 16 threads)": {"read_part_size": 16 * MiB, "max_concurrency": 16},
+    "before session 11 (16M read parts; 16 threads)": {"read_part_size": 16 * MiB, "max_concurrency": 16},
     "window 256M": {"prefetch_window": 256 * MiB},
     "window 256M part 16M": {"prefetch_window": 256 * MiB, "prefetch_part_size": 16 * MiB},
     "conc 32": {"max_concurrency": 32},
     "window 256M conc 32": {"prefetch_window": 256 * MiB, "max_concurrency": 32},
     "window 512M part 16M conc 32": {"prefetch_window": 512 * MiB, "prefetch_part_size": 16 * MiB,
                                      "max_concurrency": 32},
-    "no prefetch, read part 8M conc 32": {"prefetch_window": 0, "read_part_size": 8 * MiB, "max_concurrency": 32},
+    "no prefetch; read part 8M conc 32": {"prefetch_window": 0, "read_part_size": 8 * MiB, "max_concurrency": 32},
 }
 
 
@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None)
     ap.add_argument("--suffix", default="")
+    ap.add_argument("--variants", default=None,
+                    help="comma-separated names of VARIANTS to run (default: all), s3torchconnector always")
     args = ap.parse_args(argv)
 
     import torch
@@ -72,9 +74,13 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.update(server.env)
         nv_url, crt_url = "s3://knobs/nvdcp", "s3://knobs/crt"
         dcp.save(state, storage_writer=nvdcp.NvcompWriter(nv_url))
+        chosen = args.variants.split(",") if args.variants else list(VARIANTS)
+        unknown = sorted(set(chosen) - set(VARIANTS))
+        if unknown:
+            raise SystemExit(f"unknown variants {unknown}; known: {list(VARIANTS)}")
         readers: dict[str, Any] = {
-            name: (lambda opts=opts: nvdcp.NvcompReader(nv_url, storage_options=opts or None))
-            for name, opts in VARIANTS.items()
+            name: (lambda opts=VARIANTS[name]: nvdcp.NvcompReader(nv_url, storage_options=opts or None))
+            for name in chosen
         }
         try:
             dcp.save(state, storage_writer=make_io("s3torchconnector", crt_url, "save", server.endpoint))

@@ -50,7 +50,7 @@ from nvdcp.storage import open_storage
 logger = logging.getLogger(__name__)
 
 #: Default ``full_every``: one full checkpoint, then this many minus one deltas. On the H200
-#: reference GPT runs (benchmarks/delta_bench.py, README "Delta checkpoints") 8 kept the chain's
+#: reference GPT runs (benchmarks/delta_bench.py, docs/BENCHMARKS.md "Delta checkpoints") 8 kept the chain's
 #: ratio within 1% of 16 on fp32 AdamW state (4% on bf16 weights) while a load reads at most 8
 #: checkpoints instead of 16 (a depth-7 load measured 5-8x a full one).
 DEFAULT_FULL_EVERY = 8
