@@ -30,15 +30,15 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from http.server import ThreadingHTTPServer
 from urllib.parse import urlsplit
+
+from nvdcp.testing.http_forward import ForwardingHandler
 
 UPLOAD = "upload"
 DOWNLOAD = "download"
 
 #: Headers that describe one connection, not the message: never forwarded.
-_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "expect", "proxy-connection", "upgrade", "te"})
 #: Query keys of requests that are not object data (listings, multipart bookkeeping, ACLs...).
 _NOT_OBJECT_DATA = frozenset({"uploads", "list-type", "delete", "acl", "tagging", "location", "versioning",
                               "uploadId", "prefix", "delimiter", "policy", "cors", "lifecycle", "attributes"})
@@ -241,71 +241,22 @@ class CorruptingProxy:
         return bytes(damaged)
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    _local = threading.local()  # one upstream connection per handler thread
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-    def do_GET(self) -> None:
-        self._proxy()
-
-    do_PUT = do_POST = do_DELETE = do_HEAD = do_GET
-
-    def _read_body(self) -> bytes:
-        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            out = bytearray()
-            while True:
-                size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
-                if size == 0:
-                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
-                        pass
-                    return bytes(out)
-                out += self.rfile.read(size)
-                self.rfile.readline()
-        return self.rfile.read(int(self.headers.get("Content-Length") or 0))
-
-    def _proxy(self) -> None:
+class _Handler(ForwardingHandler):
+    def handle_request(self) -> None:
         proxy: CorruptingProxy = self.server.proxy  # type: ignore[attr-defined]
         with proxy._lock:
             proxy.requests[self.command] += 1
         range_ = self.headers.get("Range", "")
-        body = proxy._corrupt(proxy._uploads, self.command, self.path, range_, self._read_body())
+        body = proxy._corrupt(proxy._uploads, self.command, self.path, range_, self.read_body())
         try:
-            status, headers, data, length = self._forward(proxy, body)
+            status, headers, data, length = self.forward(*proxy.upstream, body, timeout=120)
         except (OSError, http.client.HTTPException):
             self.close_connection = True  # the client sees a dropped connection and retries
             return
         if status in (200, 206):
             data = proxy._corrupt(proxy._downloads, self.command, self.path, range_, data)
-        self.send_response(status)
-        for k, v in headers:
-            self.send_header(k, v)
         # A HEAD answer has no body but states the object's size: pass that on unchanged.
-        self.send_header("Content-Length", str(length if self.command == "HEAD" and length is not None else len(data)))
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(data)
-        self.wfile.flush()
-
-    def _forward(self, proxy: CorruptingProxy, body: bytes) -> tuple[int, list[tuple[str, str]], bytes, int | None]:
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = self._local.conn = http.client.HTTPConnection(*proxy.upstream, timeout=120)
-        headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
-        headers["Content-Length"] = str(len(body))
-        try:
-            conn.request(self.command, self.path, body=body, headers=headers)
-            resp = conn.getresponse()
-            data = resp.read()
-        except (OSError, http.client.HTTPException):
-            conn.close()
-            self._local.conn = None
-            raise
-        length = resp.getheader("Content-Length")
-        out = [(k, v) for k, v in resp.getheaders() if k.lower() not in _HOP | {"content-length"}]
-        return resp.status, out, data, int(length) if length is not None else None
+        self.reply(status, headers, data, length if self.command == "HEAD" else None)
 
 
 __all__ = ["DOWNLOAD", "UPLOAD", "CorruptingProxy", "Flip", "Schedule", "is_object_download", "is_object_upload"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import http.client
 import logging
 import os
 import socket
@@ -20,10 +19,12 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
 
 import pytest
+
+from nvdcp.testing.http_forward import ForwardingHandler
 
 # moto reads this when it is imported; it lowers S3's 5 MiB minimum part size so tests can make
 # uploads of many parts from little data. Non-final parts in the tests are at least this big.
@@ -133,7 +134,6 @@ _FAULTS = {
     "503": (503, "SlowDown", "Please reduce your request rate."),
     "500": (500, "InternalError", "We encountered an internal error. Please try again."),
 }
-_HOP = {"connection", "keep-alive", "transfer-encoding", "expect", "proxy-connection", "upgrade", "te"}
 
 
 @dataclasses.dataclass
@@ -225,32 +225,8 @@ def is_upload_part(method: str, path: str) -> bool:
     return method == "PUT" and "partNumber=" in path and "uploadId=" in path
 
 
-class _ProxyHandler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    _local = threading.local()
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-    def do_GET(self) -> None:
-        self._proxy()
-
-    do_PUT = do_POST = do_DELETE = do_HEAD = do_GET
-
-    def _read_body(self) -> bytes:
-        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            out = bytearray()
-            while True:
-                size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
-                if size == 0:
-                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
-                        pass
-                    return bytes(out)
-                out += self.rfile.read(size)
-                self.rfile.readline()
-        return self.rfile.read(int(self.headers.get("Content-Length") or 0))
-
-    def _proxy(self) -> None:
+class _ProxyHandler(ForwardingHandler):
+    def handle_request(self) -> None:
         proxy: FaultProxy = self.server.proxy  # type: ignore[attr-defined]
         self._tracked = is_upload_part(self.command, self.path)
         if self._tracked:
@@ -267,7 +243,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             self.server.proxy.track(-1)  # type: ignore[attr-defined]
 
     def _serve(self, proxy: FaultProxy) -> None:
-        body = self._read_body()
+        body = self.read_body()
         fault = proxy.decide(self.command, self.path, len(body))
         if proxy.plan.delay_s:
             time.sleep(proxy.plan.delay_s)
@@ -278,7 +254,8 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             status, code, message = _FAULTS[fault]
             self._reply(status, [("Content-Type", "application/xml")], _ERROR_XML.format(code=code, message=message).encode())
             return
-        status, headers, data, upstream_length = self._forward(proxy, body)
+        host, port = proxy.upstream.rsplit(":", 1)
+        status, headers, data, upstream_length = self.forward(host, int(port), body)
         if fault == "cut" and len(data) > 1:
             self._reply(status, headers, data[: len(data) // 2], length=len(data))
             self._reset()
@@ -286,35 +263,9 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         # A HEAD answer has no body but states the object's size: pass that on unchanged.
         self._reply(status, headers, data, length=upstream_length if self.command == "HEAD" else None)
 
-    def _forward(self, proxy: FaultProxy, body: bytes) -> tuple[int, list[tuple[str, str]], bytes, int | None]:
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            host, port = proxy.upstream.rsplit(":", 1)
-            conn = self._local.conn = http.client.HTTPConnection(host, int(port), timeout=60)
-        headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
-        headers["Content-Length"] = str(len(body))
-        try:
-            conn.request(self.command, self.path, body=body, headers=headers)
-            resp = conn.getresponse()
-            data = resp.read()
-        except (OSError, http.client.HTTPException):
-            conn.close()
-            self._local.conn = None
-            raise
-        length = resp.getheader("Content-Length")
-        headers_out = [(k, v) for k, v in resp.getheaders() if k.lower() not in _HOP | {"content-length"}]
-        return resp.status, headers_out, data, int(length) if length is not None else None
-
     def _reply(self, status: int, headers: list[tuple[str, str]], data: bytes, length: int | None = None) -> None:
         self._untrack()
-        self.send_response(status)
-        for k, v in headers:
-            self.send_header(k, v)
-        self.send_header("Content-Length", str(len(data) if length is None else length))
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(data)
-        self.wfile.flush()
+        self.reply(status, headers, data, length)
 
     def _reset(self) -> None:
         # SO_LINGER 0: close() sends a RST, as a dropped connection does.
