@@ -68,6 +68,8 @@ class _Stream:
     scheduled_end: int = 0  # end of the furthest extent scheduled
     size: int | None = None  # the object's size, once a GET told it
     direct: bool = False  # its reader reads whole parts or more at once: nothing more is scheduled
+    streak_start: int = 0  # where the current run of forward reads began
+    covered: int = 0  # bytes those reads asked for (a byte read twice counts twice)
 
 
 class Prefetcher:
@@ -114,8 +116,10 @@ class Prefetcher:
         fetches an extent (up to ``n`` bytes); ``exact(start, n)`` reads the part of a read that
         extends past the extents (exactly ``n`` bytes, or raises).
 
-        A read of at least one part stops the prefetching of its object (extents already
-        scheduled still serve reads): such a reader (the GPU path, which reads a whole record's
+        Reads that move forward but skip most of the bytes they pass (the GPU reader reads a
+        batch's record headers before their chunks) do not start it. A read of at least one part
+        stops the prefetching of its object for good (extents already scheduled still serve
+        reads; whoever reads, e.g. ``nvdcp verify``): such a reader (the GPU path, which reads a whole record's
         chunks into staging at once) keeps more GETs in flight by itself, split into the
         storage's read parts, than extents of one GET each would. On the H200 device
         (benchmarks/s3_read_knobs.py, docs/S3.md "Read settings"), 400 MB of 64 MiB GPU tensors
@@ -197,6 +201,9 @@ class Prefetcher:
             forward = stream.last_end >= 0 and stream.last_end - self.window <= offset <= stream.last_end + self.window
             stream.streak = stream.streak + 1 if forward else 0
             stream.last_end = max(end, stream.last_end) if forward else end
+            if not forward:
+                stream.streak_start, stream.covered = offset, 0
+            stream.covered += length
             # Extents wholly behind this read by more than a window will not be read.
             for ext in [e for e in stream.extents if e.end < offset - self.window]:
                 self._discard(stream, ext)
@@ -205,6 +212,8 @@ class Prefetcher:
                 self.stats["stopped"] += 1
             if stream.direct or stream.streak + 1 < self.min_streak:
                 return
+            if 2 * stream.covered < stream.last_end - stream.streak_start:
+                return  # forward, but skipping most bytes (record headers read ahead of their chunks)
             start = max(stream.scheduled_end, end)
             limit = stream.last_end + self.window
             if stream.size is not None:

@@ -230,6 +230,15 @@ def _md5_b64(data: Buffer) -> str:
     return base64.b64encode(hashlib.md5(data, usedforsecurity=False).digest()).decode("ascii")
 
 
+def _even_step(length: int, part: int) -> int:
+    """The GET size that splits ``length`` bytes into as few GETs of at most ``part`` bytes as
+    possible, of even size (9 MiB with 8 MiB parts: two of 4.5 MiB, not 8 MiB and 1 MiB)."""
+    if length <= part:
+        return max(length, 1)
+    pieces = -(-length // part)
+    return -(-length // pieces)
+
+
 def coalesce(ranges: Sequence[tuple[int, int]], gap: int) -> list[tuple[int, int, list[int]]]:
     """Merge ranges (offset, length) closer than ``gap`` into spans ``(start, end, member indices)``.
 
@@ -366,10 +375,12 @@ class S3Storage(Storage):
         return self._pool
 
     def close(self) -> None:
-        """Stop the thread pool (it is recreated if the storage is used again)."""
+        """Stop the thread pool (it is recreated if the storage is used again) and drop the bytes
+        read ahead (readahead blocks, prefetch extents)."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        self.forget_cached()
 
     def _secrets(self) -> list[str]:
         """Values that must never appear in messages: explicit, environment and resolved secrets."""
@@ -517,9 +528,10 @@ class S3Storage(Storage):
                     )
         buffers = [bytearray(end - start) for start, end, _ in spans]
         pieces = [
-            (start + p, memoryview(buf)[p : min(p + self.config.read_part_size, len(buf))])
+            (start + p, memoryview(buf)[p : min(p + step, len(buf))])
             for (start, _, _), buf in zip(spans, buffers)
-            for p in range(0, len(buf), self.config.read_part_size)
+            for step in [_even_step(len(buf), self.config.read_part_size)]
+            for p in range(0, len(buf), step)
         ]
         # Inline when already on one of our pool's threads: waiting there for the pool could deadlock.
         if len(pieces) == 1 or threading.current_thread().name.startswith(_POOL_PREFIX):

@@ -453,8 +453,8 @@ def test_prefetch_stops_for_a_reader_that_reads_whole_parts(s3env: S3Env) -> Non
             n = min(6 * P, len(data) - off)
             assert bytes(store.read_range("f", off, n)) == data[off : off + n]
         assert store._prefetch.stats["extents"] == 0  # never started again
-        # each large read went out as GETs of read_part_size, not one GET per read
-        assert proxy.requests["GET"] >= 2 * (len(data) // (6 * P))
+        # each large read went out as GETs of read_part_size (6 P in 2 P parts), not one GET per read
+        assert proxy.requests["GET"] >= 3 * (len(data) // (6 * P))
     assert store._prefetch.held_bytes() == 0
 
 
@@ -471,6 +471,34 @@ def test_prefetch_extents_scheduled_before_a_whole_part_read_still_serve_it(s3en
     assert store._prefetch.stats["hits"] + store._prefetch.stats["partial_hits"] >= 1
     assert bytes(store.read_range("f", 10 * P, 30 * P)) == data[10 * P :]
     assert store._prefetch.stats["extents"] == scheduled
+
+
+def test_prefetch_is_not_started_by_forward_reads_that_skip_most_bytes(s3env: S3Env) -> None:
+    """The GPU reader reads the headers of a batch's records before their chunks: reads that move
+    forward but skip most of what they pass must not fetch the records in between."""
+    data = _data(60 * P)
+    S3Storage(s3env.url("pf7"), **FAST).write_atomic("f", data)
+    store = S3Storage(s3env.url("pf7"), **PREFETCH)
+    for off in range(0, 50 * P, 3 * P):  # a 100-byte header every 3 P, inside the window
+        assert bytes(store.read_range("f", off, 100)) == data[off : off + 100]
+    assert store._prefetch is not None and store._prefetch.stats["extents"] == 0
+    for off in range(0, 8 * P, P):  # then a reader that reads everything starts it
+        assert bytes(store.read_range("f", off, P)) == data[off : off + P]
+    assert store._prefetch.stats["extents"] > 0
+    store.close()  # drops what was fetched ahead
+    assert store._prefetch.held_bytes() == 0
+
+
+def test_large_reads_split_into_even_gets() -> None:
+    from nvdcp.storage.s3 import _even_step
+
+    assert _even_step(9 << 20, 8 << 20) == 9 << 19  # two GETs of 4.5 MiB, not 8 MiB and 1 MiB
+    assert _even_step(8 << 20, 8 << 20) == 8 << 20
+    assert _even_step(100, 8 << 20) == 100
+    assert _even_step(0, 8 << 20) == 1
+    for length in (1, 7, 8 << 20, (8 << 20) + 1, 123_456_789):
+        step = _even_step(length, 8 << 20)
+        assert step <= 8 << 20 and -(-length // step) == max(1, -(-length // (8 << 20)))
 
 
 def test_prefetch_forget_cached_reads_the_store_again(s3env: S3Env) -> None:
