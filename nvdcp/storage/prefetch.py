@@ -119,10 +119,10 @@ class Prefetcher:
         Reads that move forward but skip most of the bytes they pass (the GPU reader reads a
         batch's record headers before their chunks) do not start it. A read of at least one part
         stops the prefetching of its object for good (extents already scheduled still serve
-        reads; whoever reads, e.g. ``nvdcp verify``): such a reader (the GPU path, which reads a whole record's
-        chunks into staging at once) keeps more GETs in flight by itself, split into the
-        storage's read parts, than extents of one GET each would. On the H200 device
-        (benchmarks/s3_read_knobs.py, docs/S3.md "Read settings"), 400 MB of 64 MiB GPU tensors
+        reads; whoever reads, e.g. ``nvdcp verify``): such a reader (the GPU path, which reads a
+        whole record's chunks into staging at once) keeps more GETs in flight by itself, split
+        into the storage's read parts, than extents of one GET each would. On the H200 device
+        (benchmarks/s3_read_knobs.py, docs/BENCHMARKS.md "S3 on the H200"), 400 MB of 64 MiB GPU tensors
         loaded in 0.70 s with prefetching and 16 MiB read parts, 0.58 s without prefetching and
         8 MiB parts (s3torchconnector: 0.60 s)."""
         self._note(key, offset, length, fetch)
