@@ -905,7 +905,7 @@ class NvcompReader(StorageReader):
             dtype, shape = self.expected(reqs[0].storage_index)
             if len(reqs) == 1 and shape is not None and not any(reqs[0].storage_offsets) \
                     and tuple(reqs[0].lengths) == shape:
-                whole = target.detach()
+                whole = target.detach() if target.requires_grad else target
                 flat = _flat_gpu_destination(whole, dtype, shape)
                 if flat is not None:
                     targets[reqs[0].storage_index] = (whole, flat)
@@ -1528,7 +1528,7 @@ def _flat_gpu_destination(target: torch.Tensor, dtype: torch.dtype | None, shape
     if tuple(target.shape) != shape or not target.is_contiguous() or target.is_conj() or target.is_neg():
         return None
     try:
-        return target.reshape(-1).view(torch.uint8)
+        return target.flatten().view(torch.uint8)  # a view (contiguous); cheaper than reshape(-1)
     except RuntimeError:
         return None
 
