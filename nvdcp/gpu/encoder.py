@@ -34,7 +34,6 @@ from nvdcp.format.crc import checksum_ranges
 from nvdcp.format.header import TRANSFORM_BYTEPLANES, ChunkTable, ItemHeader
 from nvdcp.gpu import crc32c
 from nvdcp.gpu.allocator import install_allocator
-from nvdcp.gpu.merge import PLANE_COUNTS, merge_table, split_available, split_rows
 from nvdcp.gpu.nvcomp_codecs import CodecCache, typed_data_type
 from nvdcp.gpu.pinned import PinnedPool
 from nvdcp.pipeline.cpu import EncodedItem
@@ -173,47 +172,6 @@ def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     out = torch.empty(host.shape, dtype=host.dtype, device=device)
     out.copy_(host, non_blocking=True)
     return out
-
-
-#: Whole tensors up to this size, with nothing to difference or keep, are split by the plane
-#: kernel (:func:`~nvdcp.gpu.merge.split_rows`); larger ones by torch copies, whose host cost
-#: per tensor is small next to their bytes.
-FUSED_SPLIT_MAX_BYTES = 4 << 20
-
-
-class _FusedSplit:
-    """A bucket's small tensors, split into their slots by one kernel launch per plane count:
-    each block's table row holds its elements' address, its element count and its slots'
-    addresses (:mod:`nvdcp.gpu.merge`), built in numpy from one address per tensor."""
-
-    def __init__(self, chunk_bytes: int) -> None:
-        self.c = chunk_bytes
-        self.by_planes: dict[int, tuple[list[int], list[int], list[int]]] = {}
-
-    def takes(self, job: GpuJob) -> bool:
-        return (job.delta is None and job.keep is None and job.n_planes in PLANE_COUNTS
-                and job.data.numel() <= FUSED_SPLIT_MAX_BYTES)
-
-    def add(self, job: GpuJob, first_slot: int) -> None:
-        addrs, elements, first_slots = self.by_planes.setdefault(job.n_planes, ([], [], []))
-        addrs.append(job.data.data_ptr())
-        elements.append(job.elements)
-        first_slots.append(first_slot)
-
-    def run(self, slots: torch.Tensor) -> None:
-        """Queue the splits on the current stream (the tables are uploaded from pageable
-        memory: staged before the call returns, so they may go right after)."""
-        c, base = self.c, slots.data_ptr()
-        for p, (addrs, elements, first_slots) in self.by_planes.items():
-            m = np.asarray(elements, dtype=np.int64)
-            n_blocks = -(-m // c)
-            job_of = np.repeat(np.arange(len(m)), n_blocks)
-            block = np.arange(len(job_of)) - np.repeat(np.cumsum(n_blocks) - n_blocks, n_blocks)
-            counts = np.minimum(c, m[job_of] - block * c)
-            first_rows = np.asarray(first_slots, dtype=np.int64)[job_of] + block * p
-            table = merge_table(np.asarray(addrs, dtype=np.int64)[job_of] + block * (c * p), counts,
-                                base + (first_rows[:, None] + np.arange(p, dtype=np.int64)) * c)
-            split_rows(torch.from_numpy(table).to(slots.device, non_blocking=True), p, int(counts.max()))
 
 
 def split_run(run: list[tuple[GpuJob, int]], slots: torch.Tensor, chunk_bytes: int) -> None:
@@ -503,7 +461,6 @@ class GpuEncoder:
         (delta_bench_2026-12-01_h200_decay_session8.json, profiles)."""
         c = self.chunk_bytes
         small: dict[tuple[int, int, int], tuple[list[torch.Tensor], list[int]]] = {}
-        fused = _FusedSplit(c) if slots.is_cuda and split_available() else None
         for run in self._runs(jobs, bucket):
             split_run(run, slots, c)
         for seg in bucket.segments:
@@ -512,9 +469,6 @@ class GpuEncoder:
             whole = seg.first_block == 0 and seg.n_blocks * c >= m  # the segment holds all of it
             if _runnable(job, seg, c):
                 continue  # written by its run
-            if fused is not None and whole and 0 < m and fused.takes(job):
-                fused.add(job, seg.first_slot)
-                continue
             if whole and 0 < m and (m <= c or m % c == 0) and job.delta is None and job.keep is None:
                 # one block, or whole blocks only (no tail): grouped with tensors of its shape
                 sources, first_slots = small.setdefault((p, min(m, c), max(1, m // c)), ([], []))
@@ -546,8 +500,6 @@ class GpuEncoder:
                     region[full, :tail].copy_(src[full * c :])
         for (p, m, blocks), (sources, first_slots) in small.items():
             split_small_tensors(sources, first_slots, p, m, slots, blocks)
-        if fused is not None:
-            fused.run(slots)
 
     def _runs(self, jobs: list[GpuJob], bucket: _Bucket) -> Iterator[list[tuple[GpuJob, int]]]:
         """The bucket's runs for :func:`split_run`: its runnable jobs (:func:`_runnable`) grouped
