@@ -28,7 +28,7 @@ import pickle
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -67,6 +67,7 @@ class CheckpointCommit:
     def commit(
         self, metadata: Metadata, storage_data: dict[MetadataIndex, Any], checkpoint_id: str, save_id: str,
         *, stock_pickle: bool = False, digests: bytes | None = None, delta: dict[str, Any] | None = None,
+        before_publish: Callable[[], None] | None = None,
     ) -> bytes:
         """Record ``storage_data`` in ``metadata``, check the data files, write ``.metadata``.
 
@@ -76,8 +77,10 @@ class CheckpointCommit:
         without them any digest record ``metadata`` carries (a copy of another checkpoint's)
         is dropped, since it would not describe these records. ``delta``: the base record of a
         delta checkpoint (:class:`~nvdcp.format.delta.BaseRef`), recorded as
-        ``metadata.nvdcp_delta``; without it any such record is dropped likewise. Returns the
-        committed bytes.
+        ``metadata.nvdcp_delta``; without it any such record is dropped likewise.
+        ``before_publish`` runs once ``.metadata`` is pickled, before the data files are checked
+        and it is written: it waits for data files still being committed
+        (:mod:`nvdcp.dcp.durability`). Returns the committed bytes.
 
         Raises:
             MissingDataFileError, TruncatedCheckpointError: a data file is missing or short;
@@ -94,6 +97,8 @@ class CheckpointCommit:
         else:
             vars(metadata).pop(DELTA_ATTR, None)
         blob = dump_metadata(metadata, pickle.DEFAULT_PROTOCOL if stock_pickle else pickle.HIGHEST_PROTOCOL)
+        if before_publish is not None:
+            before_publish()
         self.guard.check_data_files(storage_data)
         self.storage.write_atomic(METADATA_NAME, blob)
         self.blob = blob

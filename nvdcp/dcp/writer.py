@@ -47,6 +47,7 @@ from nvdcp.dcp.commit import (
     split_results,
 )
 from nvdcp.dcp.delta import DEFAULT_MAX_CHAIN, DeltaPolicy, DeltaSave, SaveRef, resolve_base
+from nvdcp.dcp.durability import PendingCommits
 from nvdcp.dcp.metadata_io import METADATA_NAME
 from nvdcp.dcp.stager import NvcompStager, StagedShard, WriterStagingMixin, release_staged
 from nvdcp.dcp.stock_items import merge_fsspec_kwargs, warn_once
@@ -294,11 +295,13 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_caller_event"] = None
+        state["_pending_commits"] = None  # threads; finish() runs where write_data() ran
         state["last_report"] = None  # holds a lock; a writer reused after a save must still pickle
         return state
 
     # -- StorageWriter -------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self._settle_commits()  # a save that never reached finish(): its files are closed first
         if self._commit is not None:
             self._commit.abandon()  # a save that never reached finish() is over
             self._commit = None
@@ -402,6 +405,35 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
     #: (benchmarks/digest_cost.py): write_data then returns torch's records alone.
     _record_digests: bool = True
 
+    #: This rank's data files still being committed (the coordinator's; see nvdcp.dcp.durability).
+    _pending_commits: PendingCommits | None = None
+
+    def _settle_commits(self) -> None:
+        """Wait for data files still being committed by a save that will not publish them."""
+        pending, self._pending_commits = self._pending_commits, None
+        if pending is not None:
+            try:
+                pending.wait()
+            except Exception as exc:  # noqa: BLE001 - that save is over; its files go with its cleanup
+                logger.debug("a data file of an unpublished save failed to commit: %s", exc)
+
+    def _hand_over_commits(self, files: list[_FileWriter], ok: bool) -> None:
+        """Commit the files whose commit was deferred, in the background; after a failure
+        (``ok`` false) abort them instead."""
+        deferred = [(f.name, f.uncommitted) for f in files if f.uncommitted is not None]
+        for f in files:
+            f.uncommitted = None
+        if not deferred:
+            return
+        if ok:
+            self._pending_commits = PendingCommits(deferred)
+            return
+        for name, stream in deferred:
+            try:
+                stream.abort()
+            except Exception as exc:  # noqa: BLE001 - the save's first error is the one raised
+                logger.debug("aborting %s: %s", name, exc)
+
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         storage_md, digests = split_results(results)
         commit = self._commit or CheckpointCommit(self.storage)  # no marker without a global plan step
@@ -409,16 +441,30 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
             try:
                 check_identical_save(self.storage.url, identity_digests(results, digests), self._identical_save_policy())
             except StaleSaveError:
+                self._settle_commits()  # no commit may still be creating a file that refuse() deletes
                 commit.refuse(storage_md)  # this save's files go; the checkpoint there stays
                 self._commit = None
                 raise
+
+        def files_durable() -> None:
+            """Wait for this rank's data files (nvdcp.dcp.durability); refuse the save if one failed."""
+            pending, self._pending_commits = self._pending_commits, None
+            if pending is None:
+                return
+            try:
+                pending.wait()
+            except BaseException:
+                commit.refuse(storage_md)
+                self._commit = None
+                raise
+
         # no base planned: no rank wrote a delta (the scan is a Python call per item)
         base = self._plan_base
         if base is not None and not any(descriptor.is_delta(info) for info in storage_md.values()):
             base = None
         blob = commit.commit(
             metadata, storage_md, self.path, self.save_id, digests=digests,
-            delta=base.as_record() if base is not None else None,
+            delta=base.as_record() if base is not None else None, before_publish=files_durable,
         )
         commit.cleanup({info.relative_path for info in storage_md.values()})
         self._commit = None
@@ -513,6 +559,7 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
         if n == 1 and not jobs:
             files[0].queue.put(None)  # no GPU records will come
             self._write_file(files[0])  # nothing to overlap with: this thread writes the file
+            self._hand_over_commits(files, files[0].error is None)
             if files[0].error is not None:
                 raise files[0].error
             return files[0].results
@@ -531,6 +578,7 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
             for fut in futures:
                 fut.result()
         first = dispatch_error or next((f.error for f in files if f.error is not None), None)
+        self._hand_over_commits(files, first is None)
         if first is not None:
             raise first
         position = {item.index: i for i, item in enumerate(items)}
@@ -643,6 +691,7 @@ class _FileWriter:
         self.waiting = 0  # bytes queued, not yet written
         self.assigned = cpu_bytes  # bytes given to this file so far (CPU items: raw bytes)
         self.out: _RecordWriter | None = None
+        self.uncommitted: WriteStream | None = None  # written, its commit left to the writer
         self.sizes = [0, 0]  # raw and stored bytes
         self.secs = [0.0, 0.0]  # encode (waiting for records) and io seconds
         self.clock = 0.0
@@ -736,7 +785,10 @@ class _FileWriter:
             self.out.flush()
             if self.failed.is_set():
                 raise _SiblingFailed
-            stream.commit()
+            if writer.is_coordinator:
+                self.uncommitted = stream  # committed while finish() pickles .metadata (durability.py)
+            else:
+                stream.commit()
             self.report.add(self.sizes[0], self.sizes[1], encode_s=self.secs[0],
                             io_s=self.secs[1] + time.perf_counter() - t0)
         except BaseException as exc:
