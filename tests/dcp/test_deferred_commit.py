@@ -26,7 +26,9 @@ from tests.conftest import bit_equal
 COMMIT_DELAY_S = 0.3
 
 
-class _TimedStream:
+class _Wrapped:
+    """Passes everything to ``inner``; subclasses time (or fail) what they override."""
+
     def __init__(self, inner: Any, log: list[tuple[str, float]], fail: bool) -> None:
         self._inner = inner
         self._log = log
@@ -35,6 +37,8 @@ class _TimedStream:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
+
+class _TimedStream(_Wrapped):
     def commit(self) -> None:
         time.sleep(COMMIT_DELAY_S)
         if self._fail:
@@ -44,16 +48,8 @@ class _TimedStream:
         self._log.append(("data_committed", time.monotonic()))
 
 
-class _TimedStorage:
+class _TimedStorage(_Wrapped):
     """LocalStorage, each data file's commit delayed (or failed) and every event timed."""
-
-    def __init__(self, inner: Any, log: list[tuple[str, float]], fail: bool) -> None:
-        self._inner = inner
-        self._log = log
-        self._fail = fail
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
 
     def create(self, name: str) -> _TimedStream:
         return _TimedStream(self._inner.create(name), self._log, self._fail)
