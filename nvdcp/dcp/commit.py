@@ -35,7 +35,7 @@ import numpy as np
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 
-from nvdcp.dcp.metadata_io import METADATA_NAME
+from nvdcp.dcp.metadata_io import METADATA_NAME, gc_paused
 from nvdcp.dcp.save_guard import DATA_FILE, SaveGuard
 from nvdcp.errors import NvdcpError, StaleSaveError
 from nvdcp.format.delta import DELTA_ATTR
@@ -152,15 +152,21 @@ def dump_metadata(metadata: Metadata, protocol: int) -> bytes:
     one record per item) is a tenth of pickling a ``.metadata``. This pickler's dispatch table
     gives the pickler the record's own ``__dict__`` instead, when no field is None: the same
     dict that ``__getstate__`` builds, so the bytes are the same (tests/dcp/test_commit_check.py).
+
+    The collector is paused meanwhile: the pickler's memo and the reduce tuples, a few per item,
+    start collections that walk the whole heap of a training process. In a save of 20,000 small
+    tensors (CPU machine, alternating, 3 runs each) the pickle took 0.35-0.38 s so, against
+    0.49-0.88 s with the collector running.
     """
-    if protocol < 2:  # NEWOBJ (what __reduce_ex__ gives) starts at protocol 2
-        return pickle.dumps(metadata, protocol)
-    out = io.BytesIO()
-    pickler = pickle.Pickler(out, protocol)
-    # Without its own table the pickler looks in copyreg's; with one, only there: copy it.
-    pickler.dispatch_table = {**copyreg.dispatch_table, _StorageInfo: _reduce_storage_info}
-    pickler.dump(metadata)
-    return out.getvalue()
+    with gc_paused():
+        if protocol < 2:  # NEWOBJ (what __reduce_ex__ gives) starts at protocol 2
+            return pickle.dumps(metadata, protocol)
+        out = io.BytesIO()
+        pickler = pickle.Pickler(out, protocol)
+        # Without its own table the pickler looks in copyreg's; with one, only there: copy it.
+        pickler.dispatch_table = {**copyreg.dispatch_table, _StorageInfo: _reduce_storage_info}
+        pickler.dump(metadata)
+        return out.getvalue()
 
 
 def _reduce_storage_info(info: _StorageInfo) -> Any:
