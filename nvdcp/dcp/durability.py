@@ -3,8 +3,8 @@
 A data file is complete when its last record is written, but not durable until its stream's
 ``commit`` (``fsync`` on local storage, the multipart completion on S3) returns; ``.metadata``,
 the commit point, must not be written before that. ``dcp.save`` hands the coordinator the global
-metadata only after every rank's ``write_data`` returned, and ``finish`` then pickles it (about
-0.6-1.5 s for 20,000 items on the CPU machine) before writing it. So the coordinator's own files
+metadata only after every rank's ``write_data`` returned, and ``finish`` then pickles it (0.35-0.9 s
+for 20,000 items on the CPU machine) before writing it. So the coordinator's own files
 are committed on background threads from the end of ``write_data``, and ``finish`` waits for
 them after pickling and before publishing: the flush of the page cache overlaps the pickling
 instead of preceding it. Other ranks commit their files before ``write_data`` returns, as
