@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -32,11 +32,12 @@ import torch
 from nvdcp.codecs import codec_id
 from nvdcp.format.crc import checksum_ranges
 from nvdcp.format.header import TRANSFORM_BYTEPLANES, ChunkTable, ItemHeader
+from nvdcp.format.header_batch import HeaderFields, header_layout, pack_headers_into
 from nvdcp.gpu import crc32c
 from nvdcp.gpu.allocator import install_allocator
 from nvdcp.gpu.nvcomp_codecs import CodecCache, typed_data_type
 from nvdcp.gpu.pinned import PinnedPool
-from nvdcp.pipeline.cpu import EncodedItem
+from nvdcp.pipeline.cpu import EncodedItem, layout_codec_ids
 from nvdcp.pipeline.delta import DeltaInput
 from nvdcp.pipeline.policy import Layout
 from nvdcp.storage.spans import ChunkSpans
@@ -601,24 +602,72 @@ class GpuEncoder:
     def _bucket_items(self, jobs: list[GpuJob], hb: HostBucket,
                       partial: dict[int, tuple[ChunkSpans, list[np.ndarray]]],
                       copy_partial: bool) -> Iterator[tuple[GpuJob, EncodedItem]]:
+        """The bucket's completed records, in segment order: those of jobs held whole by one
+        segment built together (:meth:`_whole_records`), a job cut over buckets once its last
+        segment is here."""
         c = self.chunk_bytes
         crcs = hb.checksums()
+        whole_segments: list[_Segment] = []
+        done: list[tuple[GpuJob, EncodedItem] | None] = []  # None: the next of the whole records
         for seg in hb.bucket.segments:
             job = jobs[seg.job]
+            if seg.first_block == 0 and seg.n_blocks * c >= job.elements:
+                whole_segments.append(seg)
+                done.append(None)
+                continue
             lo = seg.first_slot
             hi = lo + seg.n_blocks * job.n_planes
-            spans, seg_crcs = hb.spans(lo, hi), crcs[lo:hi]
-            whole = seg.first_block == 0 and (seg.first_block + seg.n_blocks) * c >= job.elements
-            if not whole:
-                # Spans buckets; with copy_partial its bytes must outlive this bucket's buffer.
-                held = partial.setdefault(seg.job, (ChunkSpans(), []))
-                held[0].extend(spans.copied() if copy_partial else spans)
-                held[1].append(seg_crcs.copy())
-                if (seg.first_block + seg.n_blocks) * c < job.elements:
-                    continue
-                spans, parts = partial.pop(seg.job)
-                seg_crcs = np.concatenate(parts)
-            yield job, self._item(job, spans, seg_crcs)
+            # Spans buckets; with copy_partial its bytes must outlive this bucket's buffer.
+            spans = hb.spans(lo, hi)
+            held = partial.setdefault(seg.job, (ChunkSpans(), []))
+            held[0].extend(spans.copied() if copy_partial else spans)
+            held[1].append(crcs[lo:hi].copy())
+            if (seg.first_block + seg.n_blocks) * c < job.elements:
+                continue
+            spans, parts = partial.pop(seg.job)
+            done.append((job, self._item(job, spans, np.concatenate(parts))))
+        whole = iter(self._whole_records(jobs, hb, whole_segments, crcs))
+        for record in done:
+            yield record if record is not None else next(whole)
+
+    def _whole_records(self, jobs: list[GpuJob], hb: HostBucket, segments: list[_Segment],
+                       crcs: np.ndarray) -> list[tuple[GpuJob, EncodedItem]]:
+        """Records of jobs each held whole by one of ``segments``: headers packed and
+        checksummed together (:mod:`nvdcp.format.header_batch`), each record's chunks one view
+        of the host buffer where its slots lie back to back (spans where they cross runs)."""
+        if not segments:
+            return []
+        c = self.chunk_bytes
+        owners = [jobs[seg.job] for seg in segments]
+        lo = np.fromiter((seg.first_slot for seg in segments), dtype=np.int64, count=len(segments))
+        n = np.fromiter((seg.n_blocks * job.n_planes for seg, job in zip(segments, owners)), dtype=np.int64,
+                        count=len(segments))
+        first_chunk = np.zeros(len(segments) + 1, dtype=np.int64)
+        np.cumsum(n, out=first_chunk[1:])
+        slots = np.repeat(lo - first_chunk[:-1], n) + np.arange(int(first_chunk[-1]), dtype=np.int64)
+        table = np.empty((len(slots), 2), dtype=np.uint32)
+        table[:, 0] = hb.stored[slots]
+        table[:, 1] = crcs[slots]
+        fields = [_fields(job, c) for job in owners]
+        table_at, sizes = header_layout(fields, n)
+        starts = np.zeros(len(segments) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=starts[1:])
+        headers = np.empty(int(starts[-1]), dtype=np.uint8)
+        header_crcs = pack_headers_into(headers, starts[:-1], fields, table_at, sizes, table, first_chunk)
+        hview = headers.data
+        chunk_views = _chunk_views(hb, lo, lo + n)
+        out = []
+        for job, f, at, size, c0, c1, crc, chunks in zip(
+            owners, fields, starts.tolist(), sizes.tolist(), first_chunk[:-1].tolist(), first_chunk[1:].tolist(),
+            header_crcs.tolist(), chunk_views,
+        ):
+            header = ItemHeader(
+                kind=f.kind, dtype_code=f.dtype_code, shape=f.shape, raw_nbytes=f.raw_nbytes, transform=f.transform,
+                plane_codecs=f.plane_codecs, chunks=ChunkTable.of_array(table[c0:c1]), chunk_bytes=c,
+                base_digest=f.base_digest, delta_kind=f.delta_kind, header_bytes=size, stored_crc=crc,
+            )
+            out.append((job, EncodedItem(header, bytes(hview[at : at + size]), chunks)))
+        return out
 
     def _item(self, job: GpuJob, spans: ChunkSpans, crcs: np.ndarray) -> EncodedItem:
         header = ItemHeader(
@@ -725,6 +774,39 @@ class GpuEncoder:
         partial: dict[int, tuple[ChunkSpans, list[np.ndarray]]] = {}
         for hb in buckets:
             yield from self._bucket_items(jobs, hb, partial, copy_partial=False)
+
+
+def _fields(job: GpuJob, chunk_bytes: int) -> HeaderFields:
+    """The header fields of ``job``'s record (its chunk table aside)."""
+    delta = job.delta
+    return HeaderFields(
+        job.kind, job.dtype_code, job.layout.transform, layout_codec_ids(job.layout.plane_codecs), job.shape,
+        chunk_bytes, job.data.numel(), delta.base_digest if delta is not None else None,
+        delta_transform.kind_for(job.dtype) if delta is not None else 0,
+    )
+
+
+def _chunk_views(hb: HostBucket, lo: np.ndarray, hi: np.ndarray) -> list[Sequence[memoryview]]:
+    """For each slot range ``lo[i]..hi[i]-1`` of ``hb``: its stored bytes as one view of the host
+    buffer run holding it (the slots of a run lie back to back), or spans where it crosses runs.
+    One view per record instead of a span per buffer: the writer only needs their concatenation."""
+    run_lo = np.array([r[1] for r in hb.runs], dtype=np.int64)
+    run_hi = np.array([r[2] for r in hb.runs], dtype=np.int64)
+    which = np.searchsorted(run_lo, lo, side="right") - 1
+    inside = (which >= 0) & (hi <= run_hi[np.maximum(which, 0)]) if len(run_lo) else np.zeros(len(lo), dtype=bool)
+    buffers = [host.numpy().data if host.numel() else memoryview(b"") for host, _, _ in hb.runs]
+    base = hb.offsets[run_lo] if len(run_lo) else run_lo
+    start = hb.offsets[lo] - np.where(inside, base[np.maximum(which, 0)], 0) if len(run_lo) else lo
+    end = start + (hb.offsets[hi] - hb.offsets[lo])
+    views: list[Sequence[memoryview]] = []
+    for i, (r, a, b, ok) in enumerate(zip(which.tolist(), start.tolist(), end.tolist(), inside.tolist())):
+        if b == a:
+            views.append([])
+        elif ok:
+            views.append([buffers[r][a:b]])
+        else:
+            views.append(hb.spans(int(lo[i]), int(hi[i])))
+    return views
 
 
 def by_device(jobs: list[GpuJob]) -> dict[torch.device, list[GpuJob]]:

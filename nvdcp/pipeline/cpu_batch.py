@@ -18,7 +18,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -46,6 +45,14 @@ from nvdcp.format.header import (
     ChunkTable,
     ItemHeader,
 )
+from nvdcp.format.header_batch import (
+    CRC_SIZE,
+    DELTA_FIELDS,
+    ENTRY_SIZE,
+    HeaderFields,
+    header_layout,
+    pack_headers_into,
+)
 from nvdcp.pipeline.cpu import (
     PROBE_MIN_GAIN,
     EncodedItem,
@@ -61,9 +68,7 @@ from nvdcp.pipeline.tensors import tensor_to_host_bytes
 from nvdcp.transform import delta as delta_transform
 
 _FORMAT_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "format")
-_CRC_SIZE = 4
-_ENTRY_SIZE = 8  # a chunk table entry: u32 stored bytes, u32 CRC32C
-_DELTA_FIELDS = 8  # a v2 record's base digest and delta kind (u32 each), after the fixed fields
+_CRC_SIZE, _ENTRY_SIZE, _DELTA_FIELDS = CRC_SIZE, ENTRY_SIZE, DELTA_FIELDS
 
 
 def _element_size(dtype_code: int) -> int:
@@ -108,13 +113,6 @@ def _exclusive_cumsum(values: np.ndarray) -> np.ndarray:
     out = np.zeros(len(values) + 1, dtype=np.int64)
     np.cumsum(values, out=out[1:])
     return out
-
-
-@functools.cache
-def _fixed_struct(ndim: int, n_planes: int, delta: bool = False) -> struct.Struct:
-    """The header's fixed fields, shape and plane codecs (padded to 4) of a v1 record; with
-    ``delta``, of a v2 record (base digest and delta kind between the fixed fields and shape)."""
-    return struct.Struct(f"<4sHBBBBBBIQI{'II' if delta else ''}{ndim}Q{n_planes}B{(-n_planes) % 4}x")
 
 
 def encode_tensor_batch(
@@ -238,10 +236,15 @@ def _encode_group(tensors: list[torch.Tensor], dtype_code: int, layout: Layout, 
 
     # Record layout: header (its chunk table at ``table_at``), then the item's chunks.
     shapes = shapes if shapes is not None else [tuple(t.shape) for t in tensors]
-    ndims = np.fromiter(map(len, shapes), dtype=np.int64, count=k)
+    raw_list = raw.tolist()
+    if deltas is None:
+        fields = [HeaderFields(KIND_TENSOR, dtype_code, layout.transform, ids, shape, cb, nbytes)
+                  for shape, nbytes in zip(shapes, raw_list)]
+    else:
+        fields = [HeaderFields(KIND_TENSOR, dtype_code, layout.transform, ids, shape, cb, nbytes, digest, deltas.kind)
+                  for shape, nbytes, digest in zip(shapes, raw_list, deltas.digests)]
     n_chunks = np.bincount(chunks.item, minlength=k)
-    table_at = ITEM_FIXED_SIZE + (_DELTA_FIELDS if deltas is not None else 0) + 8 * ndims + n_planes + (-n_planes) % 4
-    header_bytes = table_at + _ENTRY_SIZE * n_chunks + _CRC_SIZE
+    table_at, header_bytes = header_layout(fields, n_chunks)
     stored_cum = _exclusive_cumsum(chunks.stored)
     first_chunk = _exclusive_cumsum(n_chunks)
     record_off = _exclusive_cumsum(header_bytes + stored_cum[first_chunk[1:]] - stored_cum[first_chunk[:-1]])
@@ -253,25 +256,8 @@ def _encode_group(tensors: list[torch.Tensor], dtype_code: int, layout: Layout, 
     table = np.empty((len(chunks.stored), 2), dtype="<u4")
     table[:, 0] = chunks.stored
     table[:, 1] = checksum_ranges(out, chunk_dst, chunks.stored, threads)
-    entry_pos = (start + table_at - _ENTRY_SIZE * first_chunk[:-1])[chunks.item] + _ENTRY_SIZE * np.arange(len(table))
-    out[entry_pos[:, None] + np.arange(_ENTRY_SIZE)] = table.view(np.uint8).reshape(-1, _ENTRY_SIZE)
+    header_crcs = pack_headers_into(out, start, fields, table_at, header_bytes, table, first_chunk, threads)
     view = out.data
-    if deltas is None:
-        for shape, at, size, nbytes in zip(shapes, start.tolist(), header_bytes.tolist(), raw.tolist()):
-            _fixed_struct(len(shape), n_planes).pack_into(
-                view, at, ITEM_MAGIC, FULL_ITEM_VERSION, KIND_TENSOR, dtype_code, layout.transform, n_planes,
-                len(shape), 0, cb, nbytes, size, *shape, *ids,
-            )
-    else:
-        for shape, at, size, nbytes, digest in zip(shapes, start.tolist(), header_bytes.tolist(), raw.tolist(),
-                                                   deltas.digests):
-            _fixed_struct(len(shape), n_planes, True).pack_into(
-                view, at, ITEM_MAGIC, DELTA_ITEM_VERSION, KIND_TENSOR, dtype_code, layout.transform, n_planes,
-                len(shape), FLAG_XOR_BASE, cb, nbytes, size, digest, deltas.kind, *shape, *ids,
-            )
-    header_crcs = checksum_ranges(out, start, header_bytes - _CRC_SIZE, threads)
-    crc_at = start + header_bytes - _CRC_SIZE
-    out[crc_at[:, None] + np.arange(_CRC_SIZE)] = header_crcs.astype("<u4").view(np.uint8).reshape(-1, _CRC_SIZE)
 
     records = []
     for i, (shape, at, size, end, c0, c1, nbytes, crc) in enumerate(zip(

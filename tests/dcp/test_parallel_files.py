@@ -187,12 +187,12 @@ def test_a_failing_file_fails_the_save_without_hanging(tmp_path: Path, monkeypat
     append = writer_mod._RecordWriter.append
     calls = {"n": 0}
 
-    def failing(self: Any, encoded: EncodedItem) -> int:
+    def failing(self: Any, encoded: EncodedItem, borrowed: bool = False) -> int:
         if encoded.header.dtype_code == 8 or encoded.header.raw_nbytes > 50_000:  # a 'GPU' record
             calls["n"] += 1
             if calls["n"] == 4:
                 raise OSError(28, "No space left on device")
-        return append(self, encoded)
+        return append(self, encoded, borrowed)
 
     monkeypatch.setattr(writer_mod._RecordWriter, "append", failing)
     enc = FakeGpu(per_bucket=2)

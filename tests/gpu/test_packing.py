@@ -357,3 +357,80 @@ def test_delta_and_kept_jobs_split_in_runs_as_one_segment_at_a_time(
     for j, kept in zip(jobs, got_keeps):
         if kept is not None:
             assert torch.equal(kept, j.data), j.key
+
+
+def _bucket_of(jobs: list[Any], pieces: list[tuple[int, int, int]], chunk: int, rng: np.random.Generator,
+               run_bounds: list[int]) -> HostBucket:
+    """A bucket of segments ``(job, first block, blocks)`` in order, random stored sizes and
+    CRCs, its packed bytes in host runs cut at slots ``run_bounds``."""
+    segments, slot = [], 0
+    for job, first, blocks in pieces:
+        segments.append(encoder_module._Segment(job, first, blocks, slot))
+        slot += blocks * jobs[job].n_planes
+    stored = rng.integers(0, chunk + 1, slot).astype(np.int64)
+    offsets = np.concatenate(([0], np.cumsum(stored)))
+    packed = torch.from_numpy(rng.integers(0, 256, int(offsets[-1]), dtype=np.uint8))
+    bounds = [0, *run_bounds, slot]
+    runs = [(packed[int(offsets[a]) : int(offsets[b])].clone(), a, b) for a, b in zip(bounds, bounds[1:])]
+    crcs = torch.from_numpy(rng.integers(-(2**31), 2**31, slot).astype(np.int32))
+    return HostBucket(encoder_module._Bucket(segments, slot), stored, offsets, runs, None, crcs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("run_bounds", [[], [3], [1, 9, 10]])
+def test_bucket_records_built_together_equal_those_built_one_at_a_time(run_bounds: list[int]) -> None:
+    """GpuEncoder._bucket_items packs the headers of a bucket's whole jobs together: the same
+    header bytes, header and chunk bytes as the per-item _item, in the same order, for float
+    byte-plane jobs, a delta job, an empty one and a job cut over two buckets."""
+    from nvdcp.gpu.encoder import GpuEncoder, GpuJob
+    from nvdcp.pipeline.delta import DeltaInput
+    from nvdcp.pipeline.policy import Layout
+
+    chunk = 1024
+    encoder = object.__new__(GpuEncoder)
+    encoder.chunk_bytes = chunk
+    planes4, planes2 = Layout(1, ("gdeflate", "none", "none", "none")), Layout(1, ("zstd", "none"))
+
+    def job(key: str, elements: int, dtype: torch.dtype, layout: Layout, shape: tuple[int, ...], delta: Any = None) -> GpuJob:
+        data = torch.zeros(elements * dtype.itemsize, dtype=torch.uint8)
+        return GpuJob(key, data, layout, dtype, 7 if dtype == torch.float32 else 9, shape, delta=delta)
+
+    jobs = [
+        job("a", 1000, torch.float32, planes4, (10, 100)),
+        job("cut", 3 * chunk, torch.float32, planes4, (3 * chunk,)),
+        job("b", 2 * chunk + 5, torch.bfloat16, planes2, (2 * chunk + 5,)),
+        job("delta", 700, torch.float32, planes4, (700,), DeltaInput(None, 0xDEADBEEF, None, None)),
+        job("empty", 0, torch.float32, planes4, (0, 4)),
+    ]
+    rng = np.random.default_rng(3)
+    first = _bucket_of(jobs, [(0, 0, 1), (1, 0, 2)], chunk, rng, [])
+    second = _bucket_of(jobs, [(1, 2, 1), (2, 0, 3), (3, 0, 1), (4, 0, 0)], chunk, rng, run_bounds)
+
+    partial: dict[int, Any] = {}
+    got = [*encoder._bucket_items(jobs, first, partial, True), *encoder._bucket_items(jobs, second, partial, True)]
+    assert [j.key for j, _ in got] == ["a", "cut", "b", "delta", "empty"]
+    assert not partial
+
+    expected = {}
+    partial_ref: dict[int, Any] = {}
+    for hb in (first, second):
+        crcs = hb.checksums()
+        for seg in hb.bucket.segments:
+            j = jobs[seg.job]
+            lo, hi = seg.first_slot, seg.first_slot + seg.n_blocks * j.n_planes
+            if seg.job == 1:
+                partial_ref.setdefault(1, []).append((bytes(b"".join(hb.spans(lo, hi))), hb.stored[lo:hi], crcs[lo:hi]))
+                continue
+            expected[j.key] = (encoder._item(j, hb.spans(lo, hi), crcs[lo:hi]), b"".join(hb.spans(lo, hi)))
+    data, sizes, crcs = zip(*partial_ref[1])
+    spans = encoder_module.ChunkSpans()
+    joined = b"".join(data)
+    spans.add(memoryview(joined), np.concatenate(([0], np.cumsum(np.concatenate(sizes))[:-1])), np.concatenate(sizes))
+    expected["cut"] = (encoder._item(jobs[1], spans, np.concatenate(crcs)), joined)
+    for j, record in got:
+        ref, ref_bytes = expected[j.key]
+        assert record.header_bytes == ref.header_bytes, j.key
+        assert record.header == ref.header, j.key
+        assert b"".join(record.chunks) == ref_bytes, j.key
+        assert record.nbytes == ref.nbytes, j.key
+        assert record.header.stored_crc in (None, int.from_bytes(ref.header_bytes[-4:], "little")), j.key
+    assert got[3][1].header.is_delta and got[3][1].header.base_digest == 0xDEADBEEF
