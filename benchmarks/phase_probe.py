@@ -20,6 +20,7 @@ import functools
 import importlib
 import inspect
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -82,6 +83,8 @@ TARGETS = [
     "nvdcp.gpu.encoder:GpuEncoder._to_host",
     "nvdcp.gpu.encoder:GpuEncoder._bucket_items",
     "nvdcp.gpu.encoder:GpuEncoder._item",
+    "nvdcp.gpu.encoder:GpuEncoder._whole_records",
+    "nvdcp.dcp.writer:_share_out",
     "nvdcp.gpu.encoder:GpuEncoder.encode_buckets",
     "nvdcp.gpu.encoder:split_small_tensors",
     # the reader
@@ -94,7 +97,8 @@ TARGETS = [
     "nvdcp.dcp.reader:NvcompReader._gpu_batches",
     "nvdcp.dcp.reader:NvcompReader._fetch_and_decode",
     "nvdcp.dcp.reader:NvcompReader._load_gpu_batch",
-    "nvdcp.dcp.reader:NvcompReader._read_record_runs",
+    "nvdcp.dcp.reader:NvcompReader._record_runs",
+    "nvdcp.dcp.reader:NvcompReader._records_in_memory",
     "nvdcp.dcp.reader:NvcompReader._commit_loaded",
     "nvdcp.dcp.reader:NvcompReader._load_cpu_batch",
     "nvdcp.dcp.reader:_header_and_table",
@@ -205,8 +209,12 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/nvdcp-phase-probe")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--stock", action="store_true", help="also time stock FileSystemWriter/Reader per repeat")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval for the run (seconds; Python's default is 0.005)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     state = {k: v.to(args.device) for k, v in small_state(args.count).items()}
     timers = Timers()
     missing = install(timers)
@@ -237,7 +245,7 @@ def main() -> None:
         print(f"repeat {rep}: save {save_s:.3f} s, load {load_s:.3f} s"
               + (f" (stock {run['stock_save_s']:.3f} / {run['stock_load_s']:.3f} s)" if args.stock else ""), flush=True)
     last = runs[-1]
-    result: dict[str, Any] = {"count": args.count, "device": args.device, "save_s": last["save_s"],
+    result: dict[str, Any] = {"count": args.count, "device": args.device, "switch_interval": sys.getswitchinterval(), "save_s": last["save_s"],
                               "load_s": last["load_s"], "stock_save_s": last.get("stock_save_s"),
                               "stock_load_s": last.get("stock_load_s"), "missing_targets": missing, "phases": {}}
     for op in ("save", "load"):

@@ -988,17 +988,16 @@ class NvcompReader(StorageReader):
         # Small records come in one read per run of nearby records (two opens and reads per item
         # cost more than decoding it); large ones read their header, then their chunks straight
         # into pinned staging.
-        in_memory = self._read_record_runs(places)
-        # Per item: the header parsed and checked, nothing else (no torch calls: destinations were
+        in_memory = self._records_in_memory(indexes, places)
+        # Per item: the header checked, nothing else (no torch calls: destinations were
         # resolved on the calling thread; error text is built only when an error is raised).
         for i, index in enumerate(indexes):
             name, offset, length = places[i]
             where = _LazyWhere(self, index)
-            rec = in_memory[i]
+            parsed = in_memory[i]
             payload = None
-            if rec is not None:
-                header, table = _header_and_table(rec, where)  # type: ignore[arg-type]
-                payload = np.frombuffer(rec, dtype=np.uint8)[header.header_bytes :]
+            if parsed is not None:
+                header, table, payload = parsed
             else:
                 header = self.read_header(name, offset, length, where)  # type: ignore[arg-type]
                 table = None  # built by the decoder from the header
@@ -1034,11 +1033,12 @@ class NvcompReader(StorageReader):
         self._check_descriptor(info, index)
         return info.relative_path, info.offset, info.length
 
-    def _read_record_runs(self, places: list[tuple[str, int, int]]) -> list[memoryview | None]:
+    def _record_runs(self, places: list[tuple[str, int, int]]) -> list[_RecordRun]:
         """Records of at most ``RUN_RECORD_BYTES`` read in runs: one read per stretch of a file
-        where they lie within ``RUN_GAP_BYTES`` of each other (up to ``RUN_BYTES``). None for the
-        others, and for records of a run whose read failed (read alone, their errors name them)."""
-        out: list[memoryview | None] = [None] * len(places)
+        where they lie within ``RUN_GAP_BYTES`` of each other (up to ``RUN_BYTES``). Records not
+        in a run (larger ones, lone ones, those of a run whose read failed: read alone, their
+        errors name them) are in none."""
+        runs: list[_RecordRun] = []
         small = sorted((p[0], p[1], i) for i, p in enumerate(places) if p[2] <= RUN_RECORD_BYTES)
         k = 0
         while k < len(small):
@@ -1055,9 +1055,35 @@ class NvcompReader(StorageReader):
                 except (OSError, NvdcpError):
                     buf = None
                 if buf is not None:
-                    for _, off, i in small[k:j]:
-                        out[i] = buf[off - start : off - start + places[i][2]]
+                    members = [i for _, _, i in small[k:j]]
+                    runs.append(_RecordRun(
+                        np.frombuffer(buf, dtype=np.uint8), members,
+                        np.fromiter((off - start for _, off, _ in small[k:j]), dtype=np.int64, count=j - k),
+                        np.fromiter((places[i][2] for i in members), dtype=np.int64, count=j - k),
+                    ))
             k = j
+        return runs
+
+    def _records_in_memory(self, indexes: list[MetadataIndex], places: list[tuple[str, int, int]]
+                           ) -> list[tuple[ItemHeader, tuple[np.ndarray, np.ndarray], np.ndarray] | None]:
+        """For each record read in a run (:meth:`_record_runs`): its header, chunk table
+        (stored sizes int64, CRC32Cs uint32) and chunk bytes, every record of a run parsed and
+        checked together (:func:`~nvdcp.pipeline.cpu_batch.parse_records`; one by one, naming
+        the damage, where one fails). None for records not read in a run."""
+        out: list[tuple[ItemHeader, tuple[np.ndarray, np.ndarray], np.ndarray] | None] = [None] * len(places)
+        for run in self._record_runs(places):
+            parsed = parse_records(run.buffer, run.starts, run.lengths)
+            ends = (run.starts + run.lengths).tolist()
+            if parsed is None:
+                view = run.buffer.data
+                for i, at, end in zip(run.members, run.starts.tolist(), ends):
+                    header, table = _header_and_table(view[at:end], _LazyWhere(self, indexes[i]))  # type: ignore[arg-type]
+                    out[i] = (header, table, run.buffer[at + header.header_bytes : end])
+                continue
+            first = parsed.first_chunk.tolist()
+            for j, (i, header, at, end) in enumerate(zip(run.members, parsed.headers, run.starts.tolist(), ends)):
+                c0, c1 = first[j], first[j + 1]
+                out[i] = (header, (parsed.sizes[c0:c1], parsed.crcs[c0:c1]), run.buffer[at + header.header_bytes : end])
         return out
 
     def read_header(self, name: str, offset: int, length: int, where: str) -> ItemHeader:
@@ -1471,15 +1497,10 @@ RUN_GAP_BYTES = 64 << 10
 RUN_BYTES = 64 << 20
 
 
-def _header_in(rec: memoryview, where: str) -> ItemHeader:
-    """An in-memory record's header, checked as ``NvcompReader.read_header`` checks it."""
-    return _header_and_table(rec, where)[0]
-
-
 def _header_and_table(rec: memoryview, where: str) -> tuple[ItemHeader, tuple[np.ndarray, np.ndarray]]:
-    """:func:`_header_in`, and the record's chunk table as arrays read in place (stored sizes
-    int64, CRC32Cs uint32): the GPU path's per-item host work is this and the checks against
-    ``.metadata``, nothing per chunk in Python."""
+    """An in-memory record's header, checked as ``NvcompReader.read_header`` checks it, and its
+    chunk table as arrays read in place (stored sizes int64, CRC32Cs uint32): how a GPU batch
+    parses a record of a run that could not be parsed with the others (it names the damage)."""
     size = item_header_size(rec, where)
     if size > len(rec):
         raise CorruptCheckpointError(f"{where}: header of {size} bytes in a record of {len(rec)}")
@@ -1489,6 +1510,17 @@ def _header_and_table(rec: memoryview, where: str) -> tuple[ItemHeader, tuple[np
     if header.header_bytes + stored != len(rec):
         raise CorruptCheckpointError(f"{where}: chunks hold {stored} bytes, record has {len(rec) - header.header_bytes}")
     return header, table
+
+
+@dataclasses.dataclass
+class _RecordRun:
+    """Records read with one call: ``buffer[starts[j] : starts[j] + lengths[j]]`` is the record
+    of ``places[members[j]]``."""
+
+    buffer: np.ndarray  # uint8
+    members: list[int]
+    starts: np.ndarray  # int64
+    lengths: np.ndarray  # int64
 
 
 class _GpuBatch(list):  # type: ignore[type-arg]
