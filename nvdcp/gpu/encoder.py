@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -633,8 +633,8 @@ class GpuEncoder:
     def _whole_records(self, jobs: list[GpuJob], hb: HostBucket, segments: list[_Segment],
                        crcs: np.ndarray) -> list[tuple[GpuJob, EncodedItem]]:
         """Records of jobs each held whole by one of ``segments``: headers packed and
-        checksummed together (:mod:`nvdcp.format.header_batch`), each record's chunks one view
-        of the host buffer where its slots lie back to back (spans where they cross runs)."""
+        checksummed together (:mod:`nvdcp.format.header_batch`), each record's chunks spans of
+        the host buffer run holding its slots, made from the bucket's arrays."""
         if not segments:
             return []
         c = self.chunk_bytes
@@ -655,11 +655,11 @@ class GpuEncoder:
         headers = np.empty(int(starts[-1]), dtype=np.uint8)
         header_crcs = pack_headers_into(headers, starts[:-1], fields, table_at, sizes, table, first_chunk)
         hview = headers.data
-        chunk_views = _chunk_views(hb, lo, lo + n)
+        chunk_spans = _chunk_spans(hb, lo, lo + n)
         out = []
         for job, f, at, size, c0, c1, crc, chunks in zip(
             owners, fields, starts.tolist(), sizes.tolist(), first_chunk[:-1].tolist(), first_chunk[1:].tolist(),
-            header_crcs.tolist(), chunk_views,
+            header_crcs.tolist(), chunk_spans,
         ):
             header = ItemHeader(
                 kind=f.kind, dtype_code=f.dtype_code, shape=f.shape, raw_nbytes=f.raw_nbytes, transform=f.transform,
@@ -786,27 +786,28 @@ def _fields(job: GpuJob, chunk_bytes: int) -> HeaderFields:
     )
 
 
-def _chunk_views(hb: HostBucket, lo: np.ndarray, hi: np.ndarray) -> list[Sequence[memoryview]]:
-    """For each slot range ``lo[i]..hi[i]-1`` of ``hb``: its stored bytes as one view of the host
-    buffer run holding it (the slots of a run lie back to back), or spans where it crosses runs.
-    One view per record instead of a span per buffer: the writer only needs their concatenation."""
-    run_lo = np.array([r[1] for r in hb.runs], dtype=np.int64)
-    run_hi = np.array([r[2] for r in hb.runs], dtype=np.int64)
-    which = np.searchsorted(run_lo, lo, side="right") - 1
-    inside = (which >= 0) & (hi <= run_hi[np.maximum(which, 0)]) if len(run_lo) else np.zeros(len(lo), dtype=bool)
+def _chunk_spans(hb: HostBucket, lo: np.ndarray, hi: np.ndarray) -> list[ChunkSpans]:
+    """For each slot range ``lo[i]..hi[i]-1`` of ``hb``: its stored chunks as spans of the host
+    buffer run holding it, made from the bucket's arrays without a check per item (ranges that
+    cross runs: :meth:`HostBucket.spans`)."""
+    n_runs = len(hb.runs)
+    run_lo = np.fromiter((r[1] for r in hb.runs), dtype=np.int64, count=n_runs)
+    run_hi = np.fromiter((r[2] for r in hb.runs), dtype=np.int64, count=n_runs)
+    which = np.maximum(np.searchsorted(run_lo, lo, side="right") - 1, 0)
+    inside = (hi <= run_hi[which]) & (lo >= run_lo[which]) if n_runs else np.zeros(len(lo), dtype=bool)
     buffers = [host.numpy().data if host.numel() else memoryview(b"") for host, _, _ in hb.runs]
-    base = hb.offsets[run_lo] if len(run_lo) else run_lo
-    start = hb.offsets[lo] - np.where(inside, base[np.maximum(which, 0)], 0) if len(run_lo) else lo
-    end = start + (hb.offsets[hi] - hb.offsets[lo])
-    views: list[Sequence[memoryview]] = []
-    for i, (r, a, b, ok) in enumerate(zip(which.tolist(), start.tolist(), end.tolist(), inside.tolist())):
-        if b == a:
-            views.append([])
-        elif ok:
-            views.append([buffers[r][a:b]])
+    # each slot's offset within its run's buffer, for the slots of every run
+    rel = hb.offsets[:-1].astype(np.int64, copy=True)
+    for r_lo, r_hi in zip(run_lo.tolist(), run_hi.tolist()):
+        rel[r_lo:r_hi] -= hb.offsets[r_lo]
+    stored = hb.stored.astype(np.int64, copy=False)
+    out: list[ChunkSpans] = []
+    for r, a, b, ok in zip(which.tolist(), lo.tolist(), hi.tolist(), inside.tolist()):
+        if a == b:
+            out.append(ChunkSpans())
         else:
-            views.append(hb.spans(int(lo[i]), int(hi[i])))
-    return views
+            out.append(ChunkSpans.of(buffers[r], rel[a:b], stored[a:b]) if ok else hb.spans(a, b))
+    return out
 
 
 def by_device(jobs: list[GpuJob]) -> dict[torch.device, list[GpuJob]]:

@@ -33,6 +33,15 @@ class ChunkSpans(Sequence[memoryview]):
         self._parts: list[tuple[memoryview, np.ndarray, np.ndarray]] = []
         self._count = 0
 
+    @classmethod
+    def of(cls, buffer: memoryview, starts: np.ndarray, sizes: np.ndarray) -> ChunkSpans:
+        """Chunks ``buffer[starts[i] : starts[i] + sizes[i]]``: ``starts`` and ``sizes`` int64
+        arrays of one length, taken as they are (an encoder's own arrays; :meth:`add` checks)."""
+        spans = cls.__new__(cls)
+        spans._parts = [(buffer, starts, sizes)] if len(sizes) else []
+        spans._count = len(sizes)
+        return spans
+
     def add(self, buffer: memoryview, starts: np.ndarray, sizes: np.ndarray) -> None:
         """Append chunks ``buffer[starts[i] : starts[i] + sizes[i]]``."""
         if len(starts) != len(sizes):

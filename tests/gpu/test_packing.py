@@ -362,13 +362,15 @@ def test_delta_and_kept_jobs_split_in_runs_as_one_segment_at_a_time(
 def _bucket_of(jobs: list[Any], pieces: list[tuple[int, int, int]], chunk: int, rng: np.random.Generator,
                run_bounds: list[int]) -> HostBucket:
     """A bucket of segments ``(job, first block, blocks)`` in order, random stored sizes and
-    CRCs, its packed bytes in host runs cut at slots ``run_bounds``."""
+    CRCs, its packed bytes (chunks padded to the compaction granule) in host runs cut at slots
+    ``run_bounds``."""
     segments, slot = [], 0
     for job, first, blocks in pieces:
         segments.append(encoder_module._Segment(job, first, blocks, slot))
         slot += blocks * jobs[job].n_planes
     stored = rng.integers(0, chunk + 1, slot).astype(np.int64)
-    offsets = np.concatenate(([0], np.cumsum(stored)))
+    granule = 256  # chunks start at granule boundaries, as after compaction: padding between them
+    offsets = np.concatenate(([0], np.cumsum(-(-stored // granule) * granule)))
     packed = torch.from_numpy(rng.integers(0, 256, int(offsets[-1]), dtype=np.uint8))
     bounds = [0, *run_bounds, slot]
     runs = [(packed[int(offsets[a]) : int(offsets[b])].clone(), a, b) for a, b in zip(bounds, bounds[1:])]
