@@ -211,11 +211,13 @@ def main() -> None:
     ap.add_argument("--stock", action="store_true", help="also time stock FileSystemWriter/Reader per repeat")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for the run (seconds; Python's default is 0.005)")
+    ap.add_argument("--thread-count", type=int, default=None, help="NvcompWriter/Reader thread_count (default: theirs)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     state = {k: v.to(args.device) for k, v in small_state(args.count).items()}
+    knobs = {"thread_count": args.thread_count} if args.thread_count is not None else {}
     timers = Timers()
     missing = install(timers)
     runs = []
@@ -225,7 +227,7 @@ def main() -> None:
         if args.device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        dcp.save(state, storage_writer=nvdcp.NvcompWriter(args.dir, on_identical_save="ignore"))
+        dcp.save(state, storage_writer=nvdcp.NvcompWriter(args.dir, on_identical_save="ignore", **knobs))
         save_s = time.perf_counter() - t0
         save_rows = {k: list(v) for k, v in timers.rows.items()}
         timers.rows.clear()
@@ -233,7 +235,7 @@ def main() -> None:
         if args.device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        dcp.load(out, storage_reader=nvdcp.NvcompReader(args.dir))
+        dcp.load(out, storage_reader=nvdcp.NvcompReader(args.dir, **knobs))
         if args.device == "cuda":
             torch.cuda.synchronize()
         load_s = time.perf_counter() - t0
@@ -245,7 +247,8 @@ def main() -> None:
         print(f"repeat {rep}: save {save_s:.3f} s, load {load_s:.3f} s"
               + (f" (stock {run['stock_save_s']:.3f} / {run['stock_load_s']:.3f} s)" if args.stock else ""), flush=True)
     last = runs[-1]
-    result: dict[str, Any] = {"count": args.count, "device": args.device, "switch_interval": sys.getswitchinterval(), "save_s": last["save_s"],
+    result: dict[str, Any] = {"count": args.count, "device": args.device, "switch_interval": sys.getswitchinterval(),
+                              "thread_count": args.thread_count, "save_s": last["save_s"],
                               "load_s": last["load_s"], "stock_save_s": last.get("stock_save_s"),
                               "stock_load_s": last.get("stock_load_s"), "missing_targets": missing, "phases": {}}
     for op in ("save", "load"):
