@@ -272,3 +272,29 @@ def test_large_records_go_out_in_small_calls_when_files_run_in_parallel(tmp_path
     dcp.save(sd, storage_writer=nvdcp.NvcompWriter(tmp_path / "c", thread_count=2, sync_files=False, codec="none"))
     assert sizes and max(sizes) <= (64 << 10) + 65536 + 4096, max(sizes)
     _load_same(sd, tmp_path / "c")
+
+
+def test_a_bucket_is_shared_out_to_the_least_loaded_files_one_entry_each() -> None:
+    """Each record of a bucket goes to the file with the fewest bytes waiting (then the fewest
+    so far), counting what the bucket already gave it; each file gets its records in order."""
+
+    class File:
+        def __init__(self, waiting: int, assigned: int) -> None:
+            self.counts = (waiting, assigned)
+
+        def load(self) -> tuple[int, int]:
+            return self.counts
+
+    def record(key: str, nbytes: int) -> tuple[Any, Any]:
+        return SimpleNamespace(key=key), SimpleNamespace(nbytes=nbytes)
+
+    busy, idle, fresh = File(500, 900), File(0, 700), File(0, 100)
+    records = [record("a", 300), record("b", 300), record("c", 50), record("d", 400)]
+    shares = writer_mod._share_out(records, [busy, idle, fresh])  # type: ignore[arg-type]
+    keys = {f: [key for key, _ in share] for f, share in shares.items()}
+    # fresh (0, 100) -> a; idle (0, 700) -> b (fresh now waits 300); c to the less waiting of
+    # (300, 400) and (300, 1000): fresh; d: idle (300) < fresh (350) < busy (500)
+    assert keys == {fresh: ["a", "c"], idle: ["b", "d"]}
+    assert writer_mod._share_out([], [busy, idle]) == {}
+    only = writer_mod._share_out(records, [busy])  # type: ignore[arg-type]
+    assert [key for key, _ in only[busy]] == ["a", "b", "c", "d"]
