@@ -765,6 +765,10 @@ class _FileWriter:
                         self.write(item, encoded, borrowed=True)
                     assert self.out is not None
                     self.out.flush()  # before the bucket's buffer can go back: its records view it
+            except BaseException:
+                if self.out is not None:
+                    self.out.discard()  # the file fails: no view of the bucket may outlive this
+                raise
             finally:
                 with self._lock:
                     self.waiting -= nbytes
@@ -912,6 +916,10 @@ class _RecordWriter:
         if self.parts:
             self.stream.writelines(self.parts)
             self.parts, self.pending = [], 0
+
+    def discard(self) -> None:
+        """Drop what is queued, unwritten (the file is failing)."""
+        self.parts, self.pending = [], 0
 
 
 @functools.cache
