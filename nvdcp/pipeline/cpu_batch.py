@@ -68,7 +68,6 @@ from nvdcp.pipeline.tensors import tensor_to_host_bytes
 from nvdcp.transform import delta as delta_transform
 
 _FORMAT_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "format")
-_CRC_SIZE, _ENTRY_SIZE, _DELTA_FIELDS = CRC_SIZE, ENTRY_SIZE, DELTA_FIELDS
 
 
 def _element_size(dtype_code: int) -> int:
@@ -385,7 +384,7 @@ def parse_records(buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> P
     Returns None when any record does not pass them all: the caller parses those records one by
     one, which names the problem."""
     k = len(starts)
-    if not k or int((starts + lengths).max()) > buf.size or int(lengths.min()) < ITEM_FIXED_SIZE + _DELTA_FIELDS:
+    if not k or int((starts + lengths).max()) > buf.size or int(lengths.min()) < ITEM_FIXED_SIZE + DELTA_FIELDS:
         # (no valid record is shorter: its plane codes, padded, and its CRC follow the fixed fields)
         return None
     fixed = np.ascontiguousarray(_gather_fields(buf, starts, ITEM_FIXED_SIZE)).view(_FIXED).reshape(k)
@@ -408,21 +407,21 @@ def parse_records(buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> P
     if blobs.any() and ((n_planes[blobs] != 1) | (transform[blobs] != 0) | (ndim[blobs] != 0)
                         | (fixed["dtype"][blobs] != 0) | delta[blobs]).any():
         return None
-    base_fields = np.ascontiguousarray(_gather_fields(buf, starts + ITEM_FIXED_SIZE, _DELTA_FIELDS)).view("<u4")
+    base_fields = np.ascontiguousarray(_gather_fields(buf, starts + ITEM_FIXED_SIZE, DELTA_FIELDS)).view("<u4")
     base_digest, delta_kind = base_fields.reshape(k, 2).T
     if (delta & ~np.isin(delta_kind, DELTA_KINDS)).any():
         return None
-    shape_at = ITEM_FIXED_SIZE + _DELTA_FIELDS * delta  # per record, from its start
+    shape_at = ITEM_FIXED_SIZE + DELTA_FIELDS * delta  # per record, from its start
     n_chunks = n_planes * -(-(raw // n_planes) // cb)
     table_at = shape_at + 8 * ndim + n_planes + (-n_planes) % 4
-    header_bytes = table_at + _ENTRY_SIZE * n_chunks + _CRC_SIZE
+    header_bytes = table_at + ENTRY_SIZE * n_chunks + CRC_SIZE
     if (fixed["header_bytes"] != header_bytes).any() or (header_bytes > lengths).any():
         return None
-    crc_at = starts + header_bytes - _CRC_SIZE
-    stored_crc = np.ascontiguousarray(_gather_fields(buf, crc_at, _CRC_SIZE)).view("<u4").reshape(k)
-    if (checksum_ranges(buf, starts, header_bytes - _CRC_SIZE, threads=1) != stored_crc).any():
+    crc_at = starts + header_bytes - CRC_SIZE
+    stored_crc = np.ascontiguousarray(_gather_fields(buf, crc_at, CRC_SIZE)).view("<u4").reshape(k)
+    if (checksum_ranges(buf, starts, header_bytes - CRC_SIZE, threads=1) != stored_crc).any():
         return None
-    entries = np.ascontiguousarray(_gather_fields(buf, _ragged(starts + table_at, n_chunks, _ENTRY_SIZE), _ENTRY_SIZE))
+    entries = np.ascontiguousarray(_gather_fields(buf, _ragged(starts + table_at, n_chunks, ENTRY_SIZE), ENTRY_SIZE))
     table = entries.view("<u4").reshape(-1, 2)
     sizes = table[:, 0].astype(np.int64)
     first = _exclusive_cumsum(n_chunks)
