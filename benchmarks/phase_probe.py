@@ -115,47 +115,53 @@ TARGETS = [
 
 
 class Timers:
-    """Calls and seconds per (thread name, target)."""
+    """Calls, wall seconds and the thread's CPU seconds per (thread name, target).
+
+    CPU seconds (``time.thread_time``) count what the thread ran, holding the GIL or in C code
+    that released it; wall minus CPU is time it waited (for the GIL, a lock, the GPU, I/O)."""
 
     def __init__(self) -> None:
         self.rows: dict[tuple[str, str], list[float]] = {}
         self.lock = threading.Lock()
 
-    def add(self, name: str, seconds: float) -> None:
+    def add(self, name: str, seconds: float, cpu_seconds: float) -> None:
         key = (threading.current_thread().name.rsplit("_", 1)[0], name)
         with self.lock:
-            row = self.rows.setdefault(key, [0, 0.0])
+            row = self.rows.setdefault(key, [0, 0.0, 0.0])
             row[0] += 1
             row[1] += seconds
+            row[2] += cpu_seconds
 
     def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         if inspect.isgeneratorfunction(fn):
             @functools.wraps(fn)
             def gen(*args: Any, **kwargs: Any) -> Any:
                 it = fn(*args, **kwargs)
-                spent = 0.0
+                spent = cpu = 0.0
                 try:
                     while True:
-                        t = time.perf_counter()
+                        t, c = time.perf_counter(), time.thread_time()
                         try:
                             value = next(it)
                         except StopIteration as stop:
                             spent += time.perf_counter() - t
+                            cpu += time.thread_time() - c
                             return stop.value
                         spent += time.perf_counter() - t
+                        cpu += time.thread_time() - c
                         yield value
                 finally:
-                    self.add(name, spent)
+                    self.add(name, spent, cpu)
                     it.close()
             return gen
 
         @functools.wraps(fn)
         def run(*args: Any, **kwargs: Any) -> Any:
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.add(name, time.perf_counter() - t)
+                self.add(name, time.perf_counter() - t, time.thread_time() - c)
         return run
 
 
@@ -202,6 +208,69 @@ def stock_times(state: dict[str, torch.Tensor], path: str, device: str) -> tuple
     return save_s, load_s
 
 
+def _union_ns(intervals: list[tuple[int, int]]) -> int:
+    """Nanoseconds covered by the union of ``(start, end)`` intervals."""
+    total, reach = 0, None
+    for start, end in sorted(intervals):
+        if reach is None or start > reach:
+            total += end - start
+            reach = end
+        elif end > reach:
+            total += end - reach
+            reach = end
+    return total
+
+
+def timeline(state: dict[str, torch.Tensor], path: str, op: str, knobs: dict[str, Any]) -> dict[str, Any]:
+    """One more save (or load) under ``torch.profiler`` with CUDA activities, summarized: how
+    long the GPU was busy (kernels, copies, memsets, per stream and in all), the CUDA runtime
+    calls that took longest per host thread (a ``cudaMemcpyAsync`` from pageable memory or a
+    synchronize waits for the stream's earlier work), and the kernels that took longest."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = zeros_like_state(state) if op == "load" else None
+    if op == "save":
+        shutil.rmtree(path, ignore_errors=True)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        if op == "save":
+            dcp.save(state, storage_writer=nvdcp.NvcompWriter(path, on_identical_save="ignore", **knobs))
+        else:
+            dcp.load(out, storage_reader=nvdcp.NvcompReader(path, **knobs))
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    events = prof.profiler.kineto_results.events()
+    device: list[Any] = [e for e in events if str(e.device_type()).endswith("CUDA")]
+    host = [e for e in events if not str(e.device_type()).endswith("CUDA") and e.name().startswith("cuda")]
+    streams: dict[int, list[tuple[int, int]]] = {}
+    kernels: dict[str, list[float]] = {}
+    for e in device:
+        streams.setdefault(e.device_resource_id(), []).append((e.start_ns(), e.end_ns()))
+        row = kernels.setdefault(e.name()[:80], [0, 0.0])
+        row[0] += 1
+        row[1] += e.duration_ns() / 1e9
+    runtime: dict[tuple[int, str], list[float]] = {}
+    for e in host:
+        row = runtime.setdefault((e.start_thread_id(), e.name()), [0, 0.0])
+        row[0] += 1
+        row[1] += e.duration_ns() / 1e9
+    summary: dict[str, Any] = {
+        "op": op, "wall_s": wall,
+        "gpu_busy_s": _union_ns([iv for ivs in streams.values() for iv in ivs]) / 1e9,
+        "stream_busy_s": {str(k): _union_ns(v) / 1e9 for k, v in streams.items()},
+        "runtime_calls": [{"thread": t, "call": n, "calls": int(c), "seconds": round(x, 4)}
+                          for (t, n), (c, x) in sorted(runtime.items(), key=lambda kv: -kv[1][1])[:20]],
+        "kernels": [{"kernel": n, "calls": int(c), "seconds": round(x, 4)}
+                    for n, (c, x) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:15]],
+    }
+    print(f"\ntimeline of one {op}: {wall:.3f} s wall, GPU busy {summary['gpu_busy_s']:.3f} s; per stream "
+          + ", ".join(f"{k}: {v:.3f} s" for k, v in summary["stream_busy_s"].items()))
+    print(markdown_table(summary["runtime_calls"], ["thread", "call", "calls", "seconds"]))
+    print(markdown_table(summary["kernels"], ["kernel", "calls", "seconds"]))
+    return summary
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
@@ -212,6 +281,9 @@ def main() -> None:
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for the run (seconds; Python's default is 0.005)")
     ap.add_argument("--thread-count", type=int, default=None, help="NvcompWriter/Reader thread_count (default: theirs)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="then one save and one load under torch.profiler with CUDA activities (GPU busy time, "
+                         "CUDA runtime calls per thread, kernels)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.switch_interval is not None:
@@ -226,38 +298,45 @@ def main() -> None:
         shutil.rmtree(args.dir, ignore_errors=True)
         if args.device == "cuda":
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         dcp.save(state, storage_writer=nvdcp.NvcompWriter(args.dir, on_identical_save="ignore", **knobs))
-        save_s = time.perf_counter() - t0
+        save_s, save_cpu = time.perf_counter() - t0, time.process_time() - c0
         save_rows = {k: list(v) for k, v in timers.rows.items()}
         timers.rows.clear()
         out = zeros_like_state(state)
         if args.device == "cuda":
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         dcp.load(out, storage_reader=nvdcp.NvcompReader(args.dir, **knobs))
         if args.device == "cuda":
             torch.cuda.synchronize()
-        load_s = time.perf_counter() - t0
+        load_s, load_cpu = time.perf_counter() - t0, time.process_time() - c0
         assert states_equal(state, out), "load differs from the state saved"
-        run = {"save_s": save_s, "load_s": load_s, "save": save_rows, "load": {k: list(v) for k, v in timers.rows.items()}}
+        run: dict[str, Any] = {"save_s": save_s, "load_s": load_s, "save_cpu_s": save_cpu, "load_cpu_s": load_cpu,
+               "save": save_rows, "load": {k: list(v) for k, v in timers.rows.items()}}
         if args.stock:
             run["stock_save_s"], run["stock_load_s"] = stock_times(state, args.dir + "-stock", args.device)
         runs.append(run)
-        print(f"repeat {rep}: save {save_s:.3f} s, load {load_s:.3f} s"
+        print(f"repeat {rep}: save {save_s:.3f} s (process CPU {save_cpu:.3f} s), "
+              f"load {load_s:.3f} s (process CPU {load_cpu:.3f} s)"
               + (f" (stock {run['stock_save_s']:.3f} / {run['stock_load_s']:.3f} s)" if args.stock else ""), flush=True)
     last = runs[-1]
     result: dict[str, Any] = {"count": args.count, "device": args.device, "switch_interval": sys.getswitchinterval(),
                               "thread_count": args.thread_count, "save_s": last["save_s"],
-                              "load_s": last["load_s"], "stock_save_s": last.get("stock_save_s"),
+                              "load_s": last["load_s"], "save_cpu_s": last["save_cpu_s"],
+                              "load_cpu_s": last["load_cpu_s"], "stock_save_s": last.get("stock_save_s"),
                               "stock_load_s": last.get("stock_load_s"), "missing_targets": missing, "phases": {}}
     for op in ("save", "load"):
         rows = sorted(last[op].items(), key=lambda kv: -kv[1][1])
         table = [{"thread": thread, "step": name, "calls": int(calls), "seconds": f"{secs:.3f}",
-                  "us/call": f"{secs / calls * 1e6:.1f}"} for (thread, name), (calls, secs) in rows]
-        print(f"\n{op}: {last[op + '_s']:.3f} s wall")
-        print(markdown_table(table, ["thread", "step", "calls", "seconds", "us/call"]))
-        result["phases"][op] = [{"thread": t, "step": n, "calls": int(c), "seconds": s} for (t, n), (c, s) in rows]
+                  "cpu s": f"{cpu:.3f}", "us/call": f"{secs / calls * 1e6:.1f}"}
+                 for (thread, name), (calls, secs, cpu) in rows]
+        print(f"\n{op}: {last[op + '_s']:.3f} s wall, {last[op + '_cpu_s']:.3f} s process CPU")
+        print(markdown_table(table, ["thread", "step", "calls", "seconds", "cpu s", "us/call"]))
+        result["phases"][op] = [{"thread": t, "step": n, "calls": int(c), "seconds": s, "cpu_seconds": u}
+                                for (t, n), (c, s, u) in rows]
+    if args.timeline and args.device == "cuda":
+        result["timeline"] = {op: timeline(state, args.dir, op, knobs) for op in ("save", "load")}
     write_results(f"phase_probe_{args.device}", result, out_dir=args.out)
 
 
