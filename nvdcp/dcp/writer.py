@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
@@ -61,6 +62,7 @@ from nvdcp.pipeline.config import EncodeConfig
 from nvdcp.pipeline.cpu import EncodedItem
 from nvdcp.pipeline.delta import DEFAULT_MIN_GAIN, DeltaTensor, default_min_item_bytes
 from nvdcp.pipeline.encoder import ItemEncoder, shared_encoder
+from nvdcp.pipeline.record_batch import RecordBatch, split_by_load
 from nvdcp.pipeline.tensors import tensor_nbytes
 from nvdcp.report import Report
 from nvdcp.storage import Storage, open_storage
@@ -600,15 +602,19 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
 
     def _dispatch_gpu_pass(self, jobs: list[Any], files: list[_FileWriter], failed: threading.Event) -> list[Any]:
         depth = 2 if len(files) == 1 else PARALLEL_DEPTH
-        buckets = self.encoder.encode_gpu_buckets(jobs, depth)
+        buckets = self.encoder.encode_gpu_buckets(jobs, depth, batches=True)
         again: list[Any] = []
         try:
             for bucket in buckets:
                 if failed.is_set():
                     bucket.release()
                     break
-                keep = []
-                for job, encoded in bucket.records:
+                keep: list[tuple[Any, EncodedItem] | RecordBatch] = []
+                for record in bucket.records:
+                    if isinstance(record, RecordBatch):  # whole records without a base
+                        keep.append(record)
+                        continue
+                    job, encoded = record
                     delta = getattr(job, "delta", None)  # (the CPU tests drive this with stand-in jobs)
                     if delta is not None and not delta.pays(encoded.nbytes):
                         again.append(job.whole(self.encoder.whole_layout(job.dtype)))
@@ -632,6 +638,22 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
             buckets.close()
         return again
 
+    def _batch_results(self, name: str, batch: RecordBatch, offsets: np.ndarray) -> list[WriteResult]:
+        """:meth:`_result` for each record of ``batch`` (none is a delta), written at ``offsets``."""
+        lo, hi = batch.lo, batch.hi
+        results = []
+        for job, fields, offset, size, digest in zip(
+            batch.jobs[lo:hi], batch.fields[lo:hi], offsets.tolist(), batch.record_nbytes.tolist(),
+            batch.digests[lo:hi].tolist(),
+        ):
+            item = job.key
+            info = descriptor.storage_info(name, offset, size, _descriptor_codec(fields.plane_codecs))
+            if self._delta_save is not None:
+                self._delta_save.written(item.index, digest, size)
+            results.append(WriteResult(index=item.index, size_in_bytes=size,
+                                       storage_data=ItemRecord(info, digest) if self._record_digests else info))
+        return results
+
     def _result(self, name: str, item: WriteItem, offset: int, encoded: EncodedItem) -> WriteResult:
         header = encoded.header
         info = descriptor.storage_info(name, offset, encoded.nbytes, _descriptor_codec(header.plane_codecs), header.is_delta)
@@ -651,16 +673,29 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
 _DRAIN = object()
 
 
-def _share_out(records: list[tuple[Any, EncodedItem]], files: list[_FileWriter]) -> dict[_FileWriter, list[tuple[WriteItem, EncodedItem]]]:
+#: What a file is given to write: one record, or a batch of them (:class:`RecordBatch`).
+_ShareEntry = tuple[WriteItem, EncodedItem] | RecordBatch
+
+
+def _share_out(records: list[tuple[Any, EncodedItem] | RecordBatch],
+               files: list[_FileWriter]) -> dict[_FileWriter, list[_ShareEntry]]:
     """A bucket's records shared out over the files: each to the file with the fewest bytes
-    waiting (then the fewest so far), as counted when the bucket came plus what it gave each.
+    waiting (then the fewest so far), as counted when the bucket came plus what it gave each; a
+    batch in consecutive parts that even out the files' waiting bytes (:func:`split_by_load`).
     One queue entry per file and bucket: a lock and a queue handoff per record cost more than
     writing a small record (H200, 20,000 small tensors)."""
     if len(files) == 1:
-        return {files[0]: [(job.key, encoded) for job, encoded in records]} if records else {}
+        return {files[0]: [r if isinstance(r, RecordBatch) else (r[0].key, r[1]) for r in records]} if records else {}
     loads = [list(f.load()) for f in files]
-    shares: dict[_FileWriter, list[tuple[WriteItem, EncodedItem]]] = {}
-    for job, encoded in records:
+    shares: dict[_FileWriter, list[_ShareEntry]] = {}
+    for record in records:
+        if isinstance(record, RecordBatch):
+            for i, part in split_by_load(record, [load[0] for load in loads]):
+                loads[i][0] += part.nbytes
+                loads[i][1] += part.nbytes
+                shares.setdefault(files[i], []).append(part)
+            continue
+        job, encoded = record
         i = min(range(len(files)), key=loads.__getitem__)
         loads[i][0] += encoded.nbytes
         loads[i][1] += encoded.nbytes
@@ -720,9 +755,9 @@ class _FileWriter:
         moment old only moves a record to another file)."""
         return self.waiting, self.assigned
 
-    def enqueue(self, share: list[tuple[WriteItem, EncodedItem]], refs: _BucketRefs) -> None:
+    def enqueue(self, share: list[_ShareEntry], refs: _BucketRefs) -> None:
         """Queue a bucket's records for this file (written in order, then ``refs.done()``)."""
-        nbytes = sum(encoded.nbytes for _, encoded in share)
+        nbytes = sum(entry.nbytes if isinstance(entry, RecordBatch) else entry[1].nbytes for entry in share)
         with self._lock:
             self.waiting += nbytes
             self.assigned += nbytes
@@ -743,6 +778,19 @@ class _FileWriter:
         self.clock = t2
         self.results.append(self.writer._result(self.name, item, offset, encoded))
 
+    def write_batch(self, batch: RecordBatch) -> None:
+        """Append a batch of records (its memory stays valid until the next flush)."""
+        assert self.out is not None
+        t1 = time.perf_counter()
+        offsets = self.out.append_batch(batch)
+        t2 = time.perf_counter()
+        self.sizes[0] += batch.raw_nbytes
+        self.sizes[1] += batch.nbytes
+        self.secs[0] += t1 - self.clock
+        self.secs[1] += t2 - t1
+        self.clock = t2
+        self.results.extend(self.writer._batch_results(self.name, batch, offsets))
+
     def _write_queued(self, block: bool) -> bool:
         """Write GPU records waiting in the queue (``block``: until the end marker). Returns
         whether the end marker came."""
@@ -761,8 +809,12 @@ class _FileWriter:
             share, nbytes, refs = got
             try:
                 if not self.failed.is_set():
-                    for item, encoded in share:
-                        self.write(item, encoded, borrowed=True)
+                    for entry in share:
+                        if isinstance(entry, RecordBatch):
+                            self.write_batch(entry)
+                        else:
+                            item, encoded = entry
+                            self.write(item, encoded, borrowed=True)
                     assert self.out is not None
                     self.out.flush()  # before the bucket's buffer can go back: its records view it
             except BaseException:
@@ -893,6 +945,27 @@ class _RecordWriter:
                 self._write_runs([encoded.header_bytes, *encoded.chunks])
         self.pos += size
         return offset
+
+    def append_batch(self, batch: RecordBatch) -> np.ndarray:
+        """Write ``batch``'s records; returns their offsets in the file. Small records go out
+        in one gather; with no ``max_run`` (one file) a large record is written alone, so that
+        local storage may split it over its I/O threads."""
+        self.flush()
+        sizes = batch.record_nbytes
+        offsets = self.pos + np.cumsum(sizes) - sizes
+        large = sizes > SMALL_RECORD_BYTES if self.max_run is None else np.zeros(len(sizes), dtype=bool)
+        # consecutive records written together: runs of small ones, each large one alone
+        cuts = np.flatnonzero(large[1:] | large[:-1]) + 1
+        for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(sizes)]):
+            part = batch.part(lo, hi)
+            if large[lo]:
+                (_, encoded), = part.items()
+                assert isinstance(encoded.chunks, ChunkSpans)
+                self.stream.write_spans(encoded.header_bytes, encoded.chunks, parallel=True)
+            else:
+                self.stream.write_gather(part.gather())
+        self.pos += int(sizes.sum())
+        return offsets
 
     def _write_runs(self, parts: list[Any]) -> None:
         assert self.max_run is not None

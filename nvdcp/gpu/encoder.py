@@ -40,6 +40,7 @@ from nvdcp.gpu.pinned import PinnedPool
 from nvdcp.pipeline.cpu import EncodedItem, layout_codec_ids
 from nvdcp.pipeline.delta import DeltaInput
 from nvdcp.pipeline.policy import Layout
+from nvdcp.pipeline.record_batch import RecordBatch
 from nvdcp.storage.spans import ChunkSpans
 from nvdcp.transform import delta as delta_transform
 
@@ -339,7 +340,8 @@ class EncodedBucket:
     the bucket's pinned buffer (chunks of items that began in an earlier bucket are copies):
     call :meth:`release` once every record is written; the buffer then goes back to the pool."""
 
-    records: list[tuple[GpuJob, EncodedItem]]
+    #: each ``(job, record)``, or many records as one :class:`RecordBatch` (``batches``)
+    records: list[tuple[GpuJob, EncodedItem] | RecordBatch]
     seq: int
     _sink: _PooledSink
 
@@ -601,17 +603,22 @@ class GpuEncoder:
     # -- host work -----------------------------------------------------------------------------
     def _bucket_items(self, jobs: list[GpuJob], hb: HostBucket,
                       partial: dict[int, tuple[ChunkSpans, list[np.ndarray]]],
-                      copy_partial: bool) -> Iterator[tuple[GpuJob, EncodedItem]]:
+                      copy_partial: bool, batches: bool = False) -> Iterator[tuple[GpuJob, EncodedItem] | RecordBatch]:
         """The bucket's completed records, in segment order: those of jobs held whole by one
         segment built together (:meth:`_whole_records`), a job cut over buckets once its last
-        segment is here."""
+        segment is here. ``batches``: the whole records of jobs without a base come first, as
+        one :class:`RecordBatch` (when they lie in one host buffer), the others after them."""
         c = self.chunk_bytes
         crcs = hb.checksums()
         whole_segments: list[_Segment] = []
+        plain_segments: list[_Segment] = []  # with ``batches``: whole, and no base
         done: list[tuple[GpuJob, EncodedItem] | None] = []  # None: the next of the whole records
         for seg in hb.bucket.segments:
             job = jobs[seg.job]
             if seg.first_block == 0 and seg.n_blocks * c >= job.elements:
+                if batches and job.delta is None:
+                    plain_segments.append(seg)
+                    continue
                 whole_segments.append(seg)
                 done.append(None)
                 continue
@@ -626,15 +633,17 @@ class GpuEncoder:
                 continue
             spans, parts = partial.pop(seg.job)
             done.append((job, self._item(job, spans, np.concatenate(parts))))
+        yield from self._whole_records(jobs, hb, plain_segments, crcs, batch=True)
         whole = iter(self._whole_records(jobs, hb, whole_segments, crcs))
         for record in done:
-            yield record if record is not None else next(whole)
+            yield record if record is not None else next(whole)  # type: ignore[misc]
 
-    def _whole_records(self, jobs: list[GpuJob], hb: HostBucket, segments: list[_Segment],
-                       crcs: np.ndarray) -> list[tuple[GpuJob, EncodedItem]]:
+    def _whole_records(self, jobs: list[GpuJob], hb: HostBucket, segments: list[_Segment], crcs: np.ndarray,
+                       batch: bool = False) -> list[tuple[GpuJob, EncodedItem]] | list[RecordBatch]:
         """Records of jobs each held whole by one of ``segments``: headers packed and
         checksummed together (:mod:`nvdcp.format.header_batch`), each record's chunks spans of
-        the host buffer run holding its slots, made from the bucket's arrays."""
+        the host buffer run holding its slots, made from the bucket's arrays. ``batch``: as one
+        :class:`RecordBatch` when every record lies in one host buffer run."""
         if not segments:
             return []
         c = self.chunk_bytes
@@ -654,6 +663,13 @@ class GpuEncoder:
         np.cumsum(sizes, out=starts[1:])
         headers = np.empty(int(starts[-1]), dtype=np.uint8)
         header_crcs = pack_headers_into(headers, starts[:-1], fields, table_at, sizes, table, first_chunk)
+        run = _run_holding(hb, int(lo.min()), int((lo + n).max()))
+        if run is not None:
+            host, run_lo, _ = hb.runs[run]
+            buffer = host.numpy().data if host.numel() else memoryview(b"")
+            records = RecordBatch(owners, fields, headers, starts, header_crcs, buffer,
+                                  hb.offsets[slots].astype(np.int64) - int(hb.offsets[run_lo]), table, first_chunk, c)
+            return [records] if batch else records.items()
         hview = headers.data
         chunk_spans = _chunk_spans(hb, lo, lo + n)
         out = []
@@ -690,14 +706,17 @@ class GpuEncoder:
         buckets = self.encode_buckets(jobs, ready, depth=2)
         try:
             for bucket in buckets:
-                yield from bucket.records
+                for record in bucket.records:
+                    assert not isinstance(record, RecordBatch)  # none asked for
+                    yield record
                 bucket.release()
         finally:
             buckets.close()
 
     def encode_buckets(self, jobs: list[GpuJob], ready: torch.cuda.Event | None = None,
-                       depth: int = 2) -> Generator[EncodedBucket, None, None]:
-        """Yield each bucket's completed records as one :class:`EncodedBucket`, in order.
+                       depth: int = 2, batches: bool = False) -> Generator[EncodedBucket, None, None]:
+        """Yield each bucket's completed records as one :class:`EncodedBucket`, in order
+        (``batches``: the whole records of jobs without a base as a :class:`RecordBatch`).
 
         A producer thread compresses and copies out up to ``depth`` buckets ahead: while the
         caller writes the records of held buckets (from several threads, releasing each bucket
@@ -733,7 +752,7 @@ class GpuEncoder:
                 if isinstance(got, BaseException):
                     raise got
                 got.done.synchronize()
-                records = list(self._bucket_items(jobs, got, partial, copy_partial=True))
+                records = list(self._bucket_items(jobs, got, partial, copy_partial=True, batches=batches))
                 yield EncodedBucket(records, seq, sink)
                 seq += 1
         except GeneratorExit:
@@ -773,7 +792,9 @@ class GpuEncoder:
         """
         partial: dict[int, tuple[ChunkSpans, list[np.ndarray]]] = {}
         for hb in buckets:
-            yield from self._bucket_items(jobs, hb, partial, copy_partial=False)
+            for record in self._bucket_items(jobs, hb, partial, copy_partial=False):
+                assert not isinstance(record, RecordBatch)  # none asked for
+                yield record
 
 
 def _fields(job: GpuJob, chunk_bytes: int) -> HeaderFields:
@@ -784,6 +805,14 @@ def _fields(job: GpuJob, chunk_bytes: int) -> HeaderFields:
         chunk_bytes, job.data.numel(), delta.base_digest if delta is not None else None,
         delta_transform.kind_for(job.dtype) if delta is not None else 0,
     )
+
+
+def _run_holding(hb: HostBucket, lo: int, hi: int) -> int | None:
+    """The index of the host buffer run holding slots ``lo..hi-1`` (None: they cross runs)."""
+    for r, (_, run_lo, run_hi) in enumerate(hb.runs):
+        if run_lo <= lo and hi <= run_hi:
+            return r
+    return None
 
 
 def _chunk_spans(hb: HostBucket, lo: np.ndarray, hi: np.ndarray) -> list[ChunkSpans]:

@@ -220,17 +220,20 @@ class ItemEncoder:
             with self._gpu_encoder(device, shares) as encoder:
                 yield from encoder.encode(device_jobs, ready_event(device))
 
-    def encode_gpu_buckets(self, jobs: list[GpuJob], depth: int = 2) -> Generator[EncodedBucket, None, None]:
+    def encode_gpu_buckets(self, jobs: list[GpuJob], depth: int = 2,
+                           batches: bool = False) -> Generator[EncodedBucket, None, None]:
         """Encode ``jobs`` with one GPU encoder per device at the full GPU and pinned budgets;
         yields each bucket's records (:meth:`GpuEncoder.encode_buckets
-        <nvdcp.gpu.encoder.GpuEncoder.encode_buckets>`): up to ``depth`` buckets are held in
-        pinned memory at once, each until its :meth:`~nvdcp.gpu.encoder.EncodedBucket.release`.
-        Close the iterator only once every yielded record is written."""
+        <nvdcp.gpu.encoder.GpuEncoder.encode_buckets>`; ``batches``: whole records of jobs
+        without a base as a :class:`~nvdcp.pipeline.record_batch.RecordBatch`): up to ``depth``
+        buckets are held in pinned memory at once, each until its
+        :meth:`~nvdcp.gpu.encoder.EncodedBucket.release`. Close the iterator only once every
+        yielded record is written."""
         from nvdcp.gpu.encoder import by_device, ready_event
 
         for device, device_jobs in by_device(jobs).items():
             with self._gpu_encoder(device, 1) as encoder:
-                buckets = encoder.encode_buckets(device_jobs, ready_event(device), depth)
+                buckets = encoder.encode_buckets(device_jobs, ready_event(device), depth, batches)
                 try:
                     yield from buckets
                 finally:

@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 
 from nvdcp.errors import CorruptCheckpointError
-from nvdcp.storage.spans import ChunkSpans
+from nvdcp.storage.spans import ChunkSpans, Gather
 
 Buffer = bytes | bytearray | memoryview
 
@@ -59,6 +59,11 @@ class WriteStream(ABC):
         write may be split over I/O threads."""
         self.write(head)
         self.writelines(spans)
+
+    def write_gather(self, gather: Gather) -> None:
+        """Append every piece of ``gather`` in order (many records at once). Local files
+        override this with vectored writes that make no Python object per piece."""
+        self.writelines(gather)
 
 
 class Storage(ABC):

@@ -22,7 +22,7 @@ from nvdcp.errors import (
     TruncatedCheckpointError,
 )
 from nvdcp.storage.base import Buffer, Storage, WriteStream, check_name
-from nvdcp.storage.spans import ChunkSpans
+from nvdcp.storage.spans import ChunkSpans, Gather
 
 
 def _storage_error(exc: OSError, what: str, path: str | None = None) -> StorageError:
@@ -174,6 +174,23 @@ def _iovecs(head: Buffer | None, spans: ChunkSpans) -> tuple[np.ndarray, list[np
     return np.ascontiguousarray(iov[iov[:, 1] > 0]), keep
 
 
+def _gather_iovecs(gather: Gather) -> tuple[np.ndarray, list[np.ndarray]]:
+    """``struct iovec`` rows for every non-empty piece of ``gather``, built with numpy, and the
+    arrays whose memory they point into."""
+    keep = [np.frombuffer(b, dtype=np.uint8) for b in gather.buffers]
+    bases = np.fromiter((a.ctypes.data for a in keep), dtype=np.uint64, count=len(keep))
+    ends = gather.starts + gather.sizes
+    for i, arr in enumerate(keep):
+        mine = gather.which == i
+        if mine.any() and int(ends[mine].max()) > arr.size:
+            raise ValueError(f"piece ends at {int(ends[mine].max())}, past its {arr.size}-byte buffer")
+    nonempty = gather.sizes > 0
+    iov = np.empty((int(nonempty.sum()), 2), dtype=np.uint64)
+    iov[:, 0] = bases[gather.which[nonempty]] + gather.starts[nonempty].astype(np.uint64)
+    iov[:, 1] = gather.sizes[nonempty]
+    return iov, keep
+
+
 def _pwritev_rows(fd: int, offset: int, iov: np.ndarray) -> None:
     """Write iovec rows ``iov`` (modified in place after a short write) at ``offset``."""
     assert _PWRITEV is not None
@@ -309,6 +326,20 @@ class _LocalWriteStream(WriteStream):
         except OSError as exc:
             raise _storage_error(exc, f"writing {self.path}", self.path) from exc
         self._pos += total
+        self._start_writeback()
+
+    def write_gather(self, gather: Gather) -> None:
+        if _PWRITEV is None:
+            super().write_gather(gather)
+            return
+        iov, keep = _gather_iovecs(gather)
+        try:
+            _pwritev_rows(self._file.fileno(), self._pos, iov)
+        except OSError as exc:
+            raise _storage_error(exc, f"writing {self.path}", self.path) from exc
+        finally:
+            del keep  # the buffers the rows point into lived until the call returned
+        self._pos += int(iov[:, 1].sum())
         self._start_writeback()
 
     def write_spans(self, head: Buffer, spans: ChunkSpans, parallel: bool = True) -> None:

@@ -111,4 +111,35 @@ class ChunkSpans(Sequence[memoryview]):
         return f"ChunkSpans({self._count} chunks, {self.nbytes} bytes in {len(self._parts)} spans)"
 
 
-__all__ = ["ChunkSpans"]
+class Gather:
+    """Byte ranges of a few buffers in write order: piece ``i`` is
+    ``buffers[which[i]][starts[i] : starts[i] + sizes[i]]``.
+
+    Many records at once (a GPU bucket's share of a file: each header, then its chunks), as four
+    arrays: local files write them with vectored system calls over iovecs built by numpy
+    (:meth:`~nvdcp.storage.base.WriteStream.write_gather`), no Python object per piece.
+    """
+
+    __slots__ = ("buffers", "sizes", "starts", "which")
+
+    def __init__(self, buffers: list[memoryview], which: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> None:
+        if not len(which) == len(starts) == len(sizes):
+            raise ValueError(f"{len(which)} buffer indexes, {len(starts)} starts, {len(sizes)} sizes")
+        self.buffers = buffers
+        self.which = which
+        self.starts = starts
+        self.sizes = sizes
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.sizes.sum())
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __iter__(self) -> Iterator[memoryview]:
+        for w, start, size in zip(self.which.tolist(), self.starts.tolist(), self.sizes.tolist()):
+            yield self.buffers[w][start : start + size]
+
+
+__all__ = ["ChunkSpans", "Gather"]

@@ -98,6 +98,9 @@ class _Stream:
         for part in parts:
             self.write(part)
 
+    def write_gather(self, gather: Any) -> None:
+        self.writelines(gather)
+
     def tell(self) -> int:
         return self.inner.tell()
 

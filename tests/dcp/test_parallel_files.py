@@ -18,24 +18,27 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 import nvdcp
 from nvdcp.dcp import writer as writer_mod
-from nvdcp.format.digest import read_digests
+from nvdcp.format.digest import digest_of_record_header, read_digests
+from nvdcp.format.header_batch import HeaderFields
 from nvdcp.gpu.config import GpuConfig
 from nvdcp.pipeline.config import EncodeConfig
 from nvdcp.pipeline.cpu import EncodedItem
 from nvdcp.pipeline.encoder import ItemEncoder
+from nvdcp.pipeline.record_batch import RecordBatch
 from nvdcp.storage.local import LocalStorage
 from tests.conftest import bit_equal, weights_like
 from tests.dcp.helpers import data_files, failure_of
 
 
 class _Bucket:
-    def __init__(self, owner: FakeGpu, records: list[tuple[Any, EncodedItem]], buf: bytearray) -> None:
+    def __init__(self, owner: FakeGpu, records: list[Any], buf: bytearray) -> None:
         self.records = records
         self.owner = owner
         self.buf = buf
@@ -50,11 +53,29 @@ class _Bucket:
             self.buf[:] = b"\xee" * len(self.buf)  # a late write of these records would store this
 
 
-class FakeGpu(ItemEncoder):
-    """float64 tensors take the 'GPU' path: buckets of ``per_bucket`` records."""
+def batch_of(owned: list[tuple[Any, Any, bytes, list[bytes]]], view: memoryview) -> RecordBatch:
+    """The records ``owned`` (job, header, header bytes, chunks), whose chunks lie back to back
+    in ``view``, as one RecordBatch: what the GPU encoder hands the writer."""
+    headers = np.frombuffer(b"".join(hb for _, _, hb, _ in owned), dtype=np.uint8).copy()
+    header_starts = np.concatenate(([0], np.cumsum([len(hb) for _, _, hb, _ in owned]))).astype(np.int64)
+    sizes = [len(c) for *_, chunks in owned for c in chunks]
+    chunk_starts = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64) if sizes else np.zeros(0, np.int64)
+    table = np.array([pair for _, h, _, _ in owned for pair in h.chunks], dtype=np.uint32).reshape(-1, 2)
+    first_chunk = np.concatenate(([0], np.cumsum([len(chunks) for *_, chunks in owned]))).astype(np.int64)
+    fields = [HeaderFields(h.kind, h.dtype_code, h.transform, h.plane_codecs, h.shape, h.chunk_bytes, h.raw_nbytes)
+              for _, h, _, _ in owned]
+    digests = np.array([digest_of_record_header(hb) for _, _, hb, _ in owned], dtype=np.uint32)
+    return RecordBatch([job for job, *_ in owned], fields, headers, header_starts, digests, view, chunk_starts,
+                       table, first_chunk, owned[0][1].chunk_bytes)
 
-    def __init__(self, per_bucket: int = 3, fail_after: int | None = None) -> None:
+
+class FakeGpu(ItemEncoder):
+    """float64 tensors take the 'GPU' path: buckets of ``per_bucket`` records (as one
+    RecordBatch each where the writer asks for batches, unless ``batches`` is False)."""
+
+    def __init__(self, per_bucket: int = 3, fail_after: int | None = None, batches: bool = True) -> None:
         super().__init__(EncodeConfig(), GpuConfig())
+        self.batches = batches
         self.per_bucket = per_bucket
         self.fail_after = fail_after
         self.lock = threading.Lock()
@@ -70,7 +91,7 @@ class FakeGpu(ItemEncoder):
     def gpu_job(self, key: Any, tensor: torch.Tensor, where: str) -> Any:
         return SimpleNamespace(key=key, tensor=tensor, where=where)
 
-    def encode_gpu_buckets(self, jobs: list[Any], depth: int = 2) -> Any:
+    def encode_gpu_buckets(self, jobs: list[Any], depth: int = 2, batches: bool = False) -> Any:
         self.depths.append(depth)
         try:
             for start in range(0, len(jobs), self.per_bucket):
@@ -90,6 +111,11 @@ class FakeGpu(ItemEncoder):
                     e = self.encode_tensor(job.tensor, job.where, pool=None)
                     owned.append((job, e.header, e.header_bytes, [bytes(c) for c in e.chunks]))
                 buf = bytearray(b"".join(c for *_, chunks in owned for c in chunks))
+                if batches and self.batches:
+                    bucket = _Bucket(self, [batch_of(owned, memoryview(buf))], buf)
+                    self.buckets.append(bucket)
+                    yield bucket
+                    continue
                 view, pos, records = memoryview(buf), 0, []
                 for job, header, header_bytes, chunks in owned:
                     views = []
@@ -135,9 +161,10 @@ def _load_same(sd: dict[str, Any], path: Path) -> None:
             assert out[k] == v, k
 
 
+@pytest.mark.parametrize("batches", [True, False])
 @pytest.mark.parametrize("threads", [1, 2, 4])
-def test_gpu_records_spread_over_files_and_load_bit_exactly(tmp_path: Path, threads: int) -> None:
-    enc = FakeGpu(per_bucket=3)
+def test_gpu_records_spread_over_files_and_load_bit_exactly(tmp_path: Path, threads: int, batches: bool) -> None:
+    enc = FakeGpu(per_bucket=3, batches=batches)
     sd = _state()
     try:
         _save(sd, tmp_path, enc, thread_count=threads)
@@ -195,7 +222,7 @@ def test_a_failing_file_fails_the_save_without_hanging(tmp_path: Path, monkeypat
         return append(self, encoded, borrowed)
 
     monkeypatch.setattr(writer_mod._RecordWriter, "append", failing)
-    enc = FakeGpu(per_bucket=2)
+    enc = FakeGpu(per_bucket=2, batches=False)
     try:
         with pytest.raises(BaseException) as info:
             _save(_state(n_gpu=16), tmp_path, enc, thread_count=3)
@@ -298,3 +325,86 @@ def test_a_bucket_is_shared_out_to_the_least_loaded_files_one_entry_each() -> No
     assert writer_mod._share_out([], [busy, idle]) == {}
     only = writer_mod._share_out(records, [busy])  # type: ignore[arg-type]
     assert [key for key, _ in only[busy]] == ["a", "b", "c", "d"]
+
+
+def test_a_failing_batch_write_fails_the_save_without_hanging(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gather of a bucket's batch that fails (disk full) fails the save: every file aborts,
+    every bucket goes back, nothing is left behind."""
+    append_batch = writer_mod._RecordWriter.append_batch
+    calls = {"n": 0}
+
+    def failing(self: Any, batch: RecordBatch) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError(28, "No space left on device")
+        return append_batch(self, batch)
+
+    monkeypatch.setattr(writer_mod._RecordWriter, "append_batch", failing)
+    enc = FakeGpu(per_bucket=2)
+    try:
+        with pytest.raises(BaseException) as info:
+            _save(_state(n_gpu=16), tmp_path, enc, thread_count=3)
+    finally:
+        enc.close()
+    assert calls["n"] >= 3 and "No space left" in str(failure_of(info.value))
+    assert all(h == 0 for h in enc.held_at_close) and all(b.released for b in enc.buckets)
+    assert data_files(tmp_path) == []
+
+
+def test_a_batch_with_large_records_writes_them_alone_in_one_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One data file (no run limit): a batch's records above SMALL_RECORD_BYTES go out through
+    write_spans (which local storage may split over its I/O threads), the small ones between
+    them in gathers; offsets stay right (the load is bit-exact)."""
+    monkeypatch.setattr(writer_mod, "SMALL_RECORD_BYTES", 60_000)
+    from nvdcp.storage.local import _LocalWriteStream as stream_cls
+    calls: list[str] = []
+    write_spans, write_gather = stream_cls.write_spans, stream_cls.write_gather
+
+    def spans_spy(self: Any, head: Any, spans: Any, parallel: bool = True) -> None:
+        calls.append("spans")
+        write_spans(self, head, spans, parallel)
+
+    def gather_spy(self: Any, gather: Any) -> None:
+        calls.append(f"gather{len(gather)}")
+        write_gather(self, gather)
+
+    monkeypatch.setattr(stream_cls, "write_spans", spans_spy)
+    monkeypatch.setattr(stream_cls, "write_gather", gather_spy)
+    sd = {f"g{i}": weights_like((300 if i % 3 == 1 else 20, 64), seed=i).double() for i in range(9)}
+    enc = FakeGpu(per_bucket=9)
+    try:
+        _save(sd, tmp_path, enc, thread_count=1)
+    finally:
+        enc.close()
+    assert calls.count("spans") == 3 and len([c for c in calls if c.startswith("gather")]) >= 2, calls
+    _load_same(sd, tmp_path)
+
+
+def test_a_batch_is_shared_out_in_consecutive_parts() -> None:
+    """A bucket's batch goes to the files in consecutive parts that even out their waiting
+    bytes, at most one part each; single records keep the per-record rule."""
+
+    class File:
+        def __init__(self, waiting: int) -> None:
+            self.counts = (waiting, 0)
+
+        def load(self) -> tuple[int, int]:
+            return self.counts
+
+    owned = []
+    for i in range(12):
+        chunk = bytes([i]) * (100 + 10 * i)
+        header = SimpleNamespace(kind=0, dtype_code=2, transform=0, plane_codecs=(0,), shape=(len(chunk),),
+                                 chunk_bytes=65536, raw_nbytes=len(chunk), chunks=[(len(chunk), 0)])
+        owned.append((SimpleNamespace(key=f"k{i}"), header, b"H" * 40, [chunk]))
+    batch = batch_of(owned, memoryview(b"".join(c for *_, (c,) in owned)))
+    files = [File(0), File(900), File(0)]
+    single = (SimpleNamespace(key="s"), SimpleNamespace(nbytes=10))
+    shares = writer_mod._share_out([batch, single], files)  # type: ignore[arg-type]
+    parts = {f: [e for e in share if isinstance(e, RecordBatch)] for f, share in shares.items()}
+    assert all(len(p) <= 1 for p in parts.values())
+    order = sorted((p[0].lo, p[0].hi) for p in parts.values() if p)
+    assert order[0][0] == 0 and order[-1][1] == 12 and all(a[1] == b[0] for a, b in zip(order, order[1:]))
+    after = {f: f.counts[0] + sum(e.nbytes for e in parts.get(f, [])) for f in files}
+    assert abs(after[files[0]] - after[files[2]]) <= 2 * int(batch.record_nbytes.max()), after
+    assert ("s" in [e[0] for e in shares[files[0]] + shares[files[2]] if not isinstance(e, RecordBatch)])

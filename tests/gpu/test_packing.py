@@ -436,3 +436,25 @@ def test_bucket_records_built_together_equal_those_built_one_at_a_time(run_bound
         assert record.nbytes == ref.nbytes, j.key
         assert record.header.stored_crc in (None, int.from_bytes(ref.header_bytes[-4:], "little")), j.key
     assert got[3][1].header.is_delta and got[3][1].header.base_digest == 0xDEADBEEF
+
+    # As batches (the writer's path): the whole records of jobs without a base as one
+    # RecordBatch when they lie in one host buffer run; its records, and the bytes a file gets
+    # from its gather, are those above; the delta job and the job cut over buckets stay records.
+    partial = {}
+    batched = [*encoder._bucket_items(jobs, first, partial, True, batches=True),
+               *encoder._bucket_items(jobs, second, partial, True, batches=True)]
+    batches = [r for r in batched if isinstance(r, encoder_module.RecordBatch)]
+    singles = [r for r in batched if not isinstance(r, encoder_module.RecordBatch)]
+    keys = [j.key for b in batches for j, _ in b.items()] + [j.key for j, _ in singles]
+    assert sorted(keys) == sorted(["a", "cut", "b", "delta", "empty"])
+    assert "delta" in [j.key for j, _ in singles] and "cut" in [j.key for j, _ in singles]
+    if not run_bounds:
+        assert len(batches) == 2  # one per bucket
+    for b in batches:
+        for (j, record), size in zip(b.items(), b.record_nbytes.tolist()):
+            ref, ref_bytes = expected[j.key]
+            assert record.header_bytes == ref.header_bytes and record.header == ref.header, j.key
+            assert b"".join(record.chunks) == ref_bytes and size == ref.nbytes, j.key
+        whole = b"".join(bytes(piece) for piece in b.gather())
+        assert whole == b"".join(expected[j.key][0].header_bytes + expected[j.key][1] for j, _ in b.items())
+        assert len(whole) == b.nbytes

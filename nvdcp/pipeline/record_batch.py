@@ -1,0 +1,158 @@
+"""``RecordBatch``: many whole records as arrays, from the GPU encoder to a data file.
+
+A save of 20,000 small GPU tensors is bound by the Python its threads run per item, one GIL
+between them (H200 timeline, benchmarks/phase_probe.py --timeline: the GPU busy 0.05 s of a
+4.7 s save, the process's CPU time 1.06x its wall time). Two costs were per record: an
+``ItemHeader`` and an ``EncodedItem`` built for every record of a bucket (30 us of the main
+thread's CPU per item), and the file threads' append of each record (45 us of CPU per item).
+A batch keeps a bucket's whole records as the arrays they are built from: one buffer of
+headers, the chunks' places in the bucket's host buffer, each record's digest; a file writes a
+range of it with one gather (:class:`~nvdcp.storage.spans.Gather`), and per-record objects
+are made only where something needs them (:meth:`RecordBatch.items`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from nvdcp.format.header import ChunkTable, ItemHeader
+from nvdcp.format.header_batch import HeaderFields
+from nvdcp.pipeline.cpu import EncodedItem
+from nvdcp.storage.spans import ChunkSpans, Gather
+
+
+@dataclass(eq=False)
+class RecordBatch:
+    """Records ``lo..hi-1`` of a bucket's whole items (all arrays cover the bucket's records).
+
+    Record ``i`` is header bytes ``headers[header_starts[i] : header_starts[i + 1]]`` followed by
+    chunks ``first_chunk[i] .. first_chunk[i + 1] - 1``, chunk ``j`` being
+    ``chunks[chunk_starts[j] : chunk_starts[j] + table[j, 0]]`` (``table``: each chunk's stored
+    bytes and CRC32C, as in the header). The chunks' memory is borrowed (a pooled pinned buffer):
+    write or copy them before the bucket goes back.
+    """
+
+    jobs: Sequence[Any]  # per record: what it encodes (a GpuJob; ``.key`` is the WriteItem)
+    fields: Sequence[HeaderFields]  # per record: its header's fields besides the chunk table
+    headers: np.ndarray  # uint8
+    header_starts: np.ndarray  # int64, one more than records
+    digests: np.ndarray  # uint32: each header's CRC32C (the record's digest)
+    chunks: memoryview
+    chunk_starts: np.ndarray  # int64, per chunk
+    table: np.ndarray  # (chunks, 2) uint32: stored bytes, CRC32C
+    first_chunk: np.ndarray  # int64, one more than records
+    chunk_bytes: int
+    lo: int = 0
+    hi: int = -1
+
+    def __post_init__(self) -> None:
+        if self.hi < 0:
+            self.hi = len(self.jobs)
+
+    def __len__(self) -> int:
+        return self.hi - self.lo
+
+    def part(self, lo: int, hi: int) -> RecordBatch:
+        """Records ``lo..hi-1`` of this batch (numbered from its start), sharing its arrays."""
+        if not 0 <= lo <= hi <= len(self):
+            raise ValueError(f"records {lo}..{hi} of a batch of {len(self)}")
+        return RecordBatch(self.jobs, self.fields, self.headers, self.header_starts, self.digests, self.chunks,
+                           self.chunk_starts, self.table, self.first_chunk, self.chunk_bytes,
+                           self.lo + lo, self.lo + hi)
+
+    @functools.cached_property
+    def record_nbytes(self) -> np.ndarray:
+        """Each record's size in bytes (header and stored chunks), int64."""
+        lo, hi = self.lo, self.hi
+        stored = np.zeros(len(self.table) + 1, dtype=np.int64)
+        np.cumsum(self.table[:, 0], out=stored[1:])
+        fc = self.first_chunk[lo : hi + 1]
+        return np.diff(self.header_starts[lo : hi + 1]) + stored[fc[1:]] - stored[fc[:-1]]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.record_nbytes.sum())
+
+    @property
+    def raw_nbytes(self) -> int:
+        """The raw bytes of the items the records hold."""
+        return sum(f.raw_nbytes for f in self.fields[self.lo : self.hi])
+
+    def gather(self) -> Gather:
+        """The records' bytes in write order: each header, then its chunks."""
+        lo, hi = self.lo, self.hi
+        fc = self.first_chunk[lo : hi + 1]
+        c0, c1 = int(fc[0]), int(fc[-1])
+        n = hi - lo
+        total = n + c1 - c0
+        at_header = fc[:-1] - c0 + np.arange(n, dtype=np.int64)  # each header, its chunks after it
+        which = np.ones(total, dtype=np.int64)
+        starts = np.empty(total, dtype=np.int64)
+        sizes = np.empty(total, dtype=np.int64)
+        which[at_header] = 0
+        starts[at_header] = self.header_starts[lo:hi]
+        sizes[at_header] = np.diff(self.header_starts[lo : hi + 1])
+        is_chunk = np.ones(total, dtype=bool)
+        is_chunk[at_header] = False
+        starts[is_chunk] = self.chunk_starts[c0:c1]
+        sizes[is_chunk] = self.table[c0:c1, 0]
+        return Gather([self.headers.data, self.chunks], which, starts, sizes)
+
+    def items(self) -> list[tuple[Any, EncodedItem]]:
+        """``(job, record)`` for each record, as :class:`EncodedItem` objects (whose chunks view
+        the same memory)."""
+        out = []
+        view = self.headers.data
+        starts, firsts = self.header_starts.tolist(), self.first_chunk.tolist()
+        for i in range(self.lo, self.hi):
+            f = self.fields[i]
+            at, end, c0, c1 = starts[i], starts[i + 1], firsts[i], firsts[i + 1]
+            header = ItemHeader(
+                kind=f.kind, dtype_code=f.dtype_code, shape=f.shape, raw_nbytes=f.raw_nbytes, transform=f.transform,
+                plane_codecs=f.plane_codecs, chunks=ChunkTable.of_array(self.table[c0:c1]), chunk_bytes=self.chunk_bytes,
+                base_digest=f.base_digest, delta_kind=f.delta_kind, header_bytes=end - at,
+                stored_crc=int(self.digests[i]),
+            )
+            spans = ChunkSpans.of(self.chunks, self.chunk_starts[c0:c1], self.table[c0:c1, 0].astype(np.int64))
+            out.append((self.jobs[i], EncodedItem(header, bytes(view[at:end]), spans)))
+        return out
+
+
+def split_by_load(batch: RecordBatch, loads: list[int]) -> list[tuple[int, RecordBatch]]:
+    """``batch`` cut into consecutive parts for the files whose queued bytes are ``loads``:
+    ``(file index, part)``, filling the least loaded files up to one common level (each file's
+    load plus its part is about equal where it gets one), so a bucket costs one entry per file."""
+    sizes = batch.record_nbytes
+    total = int(sizes.sum())
+    order = sorted(range(len(loads)), key=loads.__getitem__)
+    # the level L with sum(max(0, L - load)) == total over the files below it
+    level, below = float(loads[order[0]]), 0
+    for k in range(len(order)):
+        below = k + 1
+        nxt = loads[order[k + 1]] if k + 1 < len(order) else None
+        level = (total + sum(loads[g] for g in order[:below])) / below
+        if nxt is None or level <= nxt:
+            break
+    ends = np.cumsum(sizes)
+    out: list[tuple[int, RecordBatch]] = []
+    start, given = 0, 0.0
+    for k, f in enumerate(order[:below]):
+        if k == below - 1:
+            stop = len(batch)
+        else:
+            given += max(0.0, level - loads[f])
+            # the record that crosses the file's share goes to it when more than half is inside
+            stop = int(np.searchsorted(ends - sizes / 2, given, side="right"))
+            stop = max(start, min(stop, len(batch)))
+        if stop > start:
+            out.append((f, batch.part(start, stop)))
+        start = stop
+    return out
+
+
+__all__ = ["RecordBatch", "split_by_load"]
