@@ -43,6 +43,7 @@ from nvdcp.gpu.allocator import install_allocator
 from nvdcp.gpu.merge import PLANE_COUNTS, merge_available, merge_rows
 from nvdcp.gpu.nvcomp_codecs import CodecCache, typed_data_type
 from nvdcp.gpu.pinned import PinnedPool
+from nvdcp.pipeline.cpu_batch import copy_ranges
 from nvdcp.storage.spans import ChunkSpans
 
 #: Staging and decoded slots start at multiples of this many bytes: nvCOMP refuses unaligned inputs
@@ -104,6 +105,34 @@ class _Segment:
     @property
     def slots(self) -> int:
         return (self.last - self.first) * self.req.header.n_planes
+
+
+def _copy_payloads(staging: np.ndarray, starts: np.ndarray, stored: np.ndarray,
+                   in_memory: list[tuple[int, _Segment]]) -> None:
+    """Copy the chunks of segments whose bytes are in memory (``(first slot, segment)``) into
+    their staging slots (``starts``: each slot's offset; ``stored``: its stored bytes): one
+    native call for all of them, with the GIL released (a slice copy per chunk held it for
+    every byte of a small-tensor load, and made a view per chunk)."""
+    firsts = np.fromiter((k for k, _ in in_memory), dtype=np.int64, count=len(in_memory))
+    counts = np.fromiter((seg.slots for _, seg in in_memory), dtype=np.int64, count=len(in_memory))
+    # where each segment's first chunk starts in its payload (not 0 for a later block range)
+    skip = np.fromiter((int(seg.sizes[: seg.first * seg.req.header.n_planes].sum()) if seg.first else 0
+                        for _, seg in in_memory), dtype=np.int64, count=len(in_memory))
+    slots = np.repeat(firsts - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()), dtype=np.int64)
+    sizes = stored[slots]
+    before = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=before[1:])
+    seg_of = np.repeat(np.arange(len(in_memory)), counts)
+    src_off = before[:-1] - np.repeat(before[np.cumsum(counts) - counts], counts) + skip[seg_of]
+    payloads = [seg.req.payload for _, seg in in_memory]
+    has = counts > 0
+    last = (np.cumsum(counts) - 1)[has]  # each segment's last slot
+    lengths = np.fromiter((len(p) for p in payloads), dtype=np.int64, count=len(payloads))[has]  # type: ignore[arg-type]
+    short = np.flatnonzero(src_off[last] + sizes[last] > lengths)
+    if len(short):  # a chunk table that claims more than the record holds: nothing copied
+        seg = in_memory[int(np.flatnonzero(has)[short[0]])][1]
+        raise CorruptCheckpointError(f"{seg.req.where}: its chunks claim more bytes than its record holds")
+    copy_ranges(staging, starts[slots], payloads, seg_of, src_off, sizes)  # type: ignore[arg-type]
 
 
 def _chunk_table(header: ItemHeader) -> tuple[np.ndarray, np.ndarray]:
@@ -375,15 +404,21 @@ class GpuDecoder:
         try:
             host = staging.numpy().data
             starts = np.arange(n, dtype=np.int64) * stride
+            in_memory: list[tuple[int, _Segment]] = []  # (first slot, segment) of payloads
             k = 0
             for seg in segments:
                 m = seg.slots
-                # the segment's slots as spans of the staging buffer (local files read them with
-                # one vectored call over numpy iovec rows: no Python object per chunk)
-                slots = ChunkSpans()
-                slots.add(host, starts[k : k + m], stored[k : k + m])
-                seg.req.read_chunks(seg.first * seg.req.header.n_planes, seg.sizes, slots)
+                if seg.req.payload is not None:
+                    in_memory.append((k, seg))
+                else:
+                    # the segment's slots as spans of the staging buffer (local files read them
+                    # with one vectored call over numpy iovec rows: no Python object per chunk)
+                    slots = ChunkSpans()
+                    slots.add(host, starts[k : k + m], stored[k : k + m])
+                    seg.req.read_chunks(seg.first * seg.req.header.n_planes, seg.sizes, slots)
                 k += m
+            if in_memory:
+                _copy_payloads(staging.numpy(), starts, stored, in_memory)
             if not self.device_crc:
                 got = checksum_ranges(staging.numpy(), np.arange(n, dtype=np.int64) * stride, stored)
                 bad = np.flatnonzero(got != expected)

@@ -93,8 +93,8 @@ def _native_split_many() -> Callable[..., int] | None:
     return fn  # type: ignore[no-any-return]
 
 
-def _copy_ranges(out: np.ndarray, dst: np.ndarray, src_buffers: list[np.ndarray], src_of: np.ndarray,
-                 src_off: np.ndarray, sizes: np.ndarray) -> None:
+def copy_ranges(out: np.ndarray, dst: np.ndarray, src_buffers: list[np.ndarray], src_of: np.ndarray,
+                src_off: np.ndarray, sizes: np.ndarray) -> None:
     """``out[dst[j] : dst[j] + sizes[j]] = src_buffers[src_of[j]][src_off[j] : ...]`` for every
     chunk ``j``: one native call (the GIL released), or numpy slice copies without the library."""
     fn = _native_gather()
@@ -250,7 +250,7 @@ def _encode_group(tensors: list[torch.Tensor], dtype_code: int, layout: Layout, 
     start = record_off[:-1]
     out = np.empty(int(record_off[-1]), dtype=np.uint8)
     chunk_dst = (start + header_bytes - stored_cum[first_chunk[:-1]])[chunks.item] + stored_cum[:-1]
-    _copy_ranges(out, chunk_dst, chunks.sources, chunks.src_of, chunks.src_off, chunks.stored)
+    copy_ranges(out, chunk_dst, chunks.sources, chunks.src_of, chunks.src_off, chunks.stored)
 
     table = np.empty((len(chunks.stored), 2), dtype="<u4")
     table[:, 0] = chunks.stored
