@@ -1,12 +1,14 @@
-"""Wall time of each step of a save and a load of many small tensors, per thread (a diagnostic).
+"""Wall and CPU time of each step of a save and a load of many small tensors, per thread (a diagnostic).
 
     python -m benchmarks.phase_probe [--device cuda] [--count 20000] [--dir /dev/shm/pp] [--repeats 2]
+        [--stock] [--timeline] [--gc-off] [--gc-freeze]
 
 Why not the stack sampler (``cpu_pipeline_bench --profile``): a sampling thread takes the GIL
 every few milliseconds, and on a GIL-bound path its own traffic decides which lines it sees.
 Here each listed function (DCP's planner steps, nvdcp's storage methods, the GPU encoder's and
 decoder's stages, per-item helpers) is wrapped with a timer: calls, total seconds, microseconds
-per call, by thread. Nested functions are counted in their callers too (times are inclusive);
+per call, by thread, with the thread's CPU seconds beside the wall seconds; the process's CPU
+time and Python's collector pauses for the whole save and load. Nested functions are counted in their callers too (times are inclusive);
 a generator's time is the time spent inside its ``next()`` calls. A timer costs about a
 microsecond per call, so per-item rows carry that much overhead. The last repeat is reported
 (the first warms caches and the CUDA context); the state is ``cpu_pipeline_bench``'s ``small``.
@@ -16,14 +18,16 @@ Prints the table and writes ``benchmarks/results/phase_probe_<date>_<device>.jso
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import gc
 import importlib
 import inspect
 import shutil
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -117,6 +121,10 @@ TARGETS = [
 ]
 
 
+#: ``--gc-off``: the collector paused around each timed dcp.save / dcp.load
+GC_OFF = False
+
+
 class Timers:
     """Calls, wall seconds and the thread's CPU seconds per (thread name, target).
 
@@ -168,6 +176,51 @@ class Timers:
         return run
 
 
+class CollectorTimer:
+    """Seconds Python's cyclic collector ran, and how many collections, per generation
+    (``gc.callbacks``): a pause of whichever thread triggered it, counted in that step's times."""
+
+    def __init__(self) -> None:
+        self.seconds = [0.0, 0.0, 0.0]
+        self.counts = [0, 0, 0]
+        self.full: list[dict[str, Any]] = []  # each full collection: seconds, thread, where
+        self._started: float | None = None
+        self._where = ""
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            if info["generation"] == 2:
+                self._where = _caller_in_checkpointing()
+        elif self._started is not None:
+            spent = time.perf_counter() - self._started
+            self.seconds[info["generation"]] += spent
+            self.counts[info["generation"]] += 1
+            if info["generation"] == 2:
+                self.full.append({"seconds": round(spent, 4), "thread": threading.current_thread().name,
+                                  "where": self._where})
+            self._started = None
+
+    def take(self) -> dict[str, Any]:
+        """What was counted since the last take, and start again."""
+        out = {"seconds": round(sum(self.seconds), 4), "by_generation_s": [round(x, 4) for x in self.seconds],
+               "collections": list(self.counts), "full": self.full}
+        self.seconds, self.counts, self.full = [0.0, 0.0, 0.0], [0, 0, 0], []
+        return out
+
+
+def _caller_in_checkpointing() -> str:
+    """The innermost frame of nvdcp's or DCP's code on this thread's stack (what allocated when
+    the collector started), as ``module:function``."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module.startswith(("nvdcp", "torch.distributed.checkpoint")):
+            return f"{module}:{frame.f_code.co_name}"
+        frame = frame.f_back  # type: ignore[assignment]
+    return "?"
+
+
 def install(timers: Timers) -> list[str]:
     """Wrap every target that exists here; returns those that do not."""
     missing = []
@@ -199,16 +252,33 @@ def stock_times(state: dict[str, torch.Tensor], path: str, device: str) -> tuple
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(path))
+    with collector_paused(GC_OFF):
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(path))
     save_s = time.perf_counter() - t0
     out = zeros_like_state(state)
     sync()
     t0 = time.perf_counter()
-    dcp.load(out, storage_reader=dcp.FileSystemReader(path))
+    with collector_paused(GC_OFF):
+        dcp.load(out, storage_reader=dcp.FileSystemReader(path))
     sync()
     load_s = time.perf_counter() - t0
     shutil.rmtree(path, ignore_errors=True)
     return save_s, load_s
+
+
+@contextlib.contextmanager
+def collector_paused(paused: bool) -> Iterator[None]:
+    """Python's cyclic collector off for the block when ``paused`` (``--gc-off``: what a training
+    loop can do around ``dcp.save``/``dcp.load``; the objects it would have freed are freed by the
+    next collection after)."""
+    if not paused or not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def _union_ns(intervals: list[tuple[int, int]]) -> int:
@@ -287,47 +357,71 @@ def main() -> None:
     ap.add_argument("--timeline", action="store_true",
                     help="then one save and one load under torch.profiler with CUDA activities (GPU busy time, "
                          "CUDA runtime calls per thread, kernels)")
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="gc.freeze() once the state is built (what docs/TRAINING.md suggests after setup)")
+    ap.add_argument("--gc-off", action="store_true",
+                    help="Python's collector off during each dcp.save and dcp.load (nvdcp's and stock's)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    global GC_OFF
+    GC_OFF = args.gc_off
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     state = {k: v.to(args.device) for k, v in small_state(args.count).items()}
     knobs = {"thread_count": args.thread_count} if args.thread_count is not None else {}
     timers = Timers()
     missing = install(timers)
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()
+    collector = CollectorTimer()
+    gc.callbacks.append(collector)
     runs = []
     for rep in range(args.repeats):
         timers.rows.clear()
         shutil.rmtree(args.dir, ignore_errors=True)
         if args.device == "cuda":
             torch.cuda.synchronize()
+        collector.take()
         t0, c0 = time.perf_counter(), time.process_time()
-        dcp.save(state, storage_writer=nvdcp.NvcompWriter(args.dir, on_identical_save="ignore", **knobs))
+        with collector_paused(GC_OFF):
+            dcp.save(state, storage_writer=nvdcp.NvcompWriter(args.dir, on_identical_save="ignore", **knobs))
         save_s, save_cpu = time.perf_counter() - t0, time.process_time() - c0
+        save_gc = collector.take()
         save_rows = {k: list(v) for k, v in timers.rows.items()}
         timers.rows.clear()
         out = zeros_like_state(state)
         if args.device == "cuda":
             torch.cuda.synchronize()
         t0, c0 = time.perf_counter(), time.process_time()
-        dcp.load(out, storage_reader=nvdcp.NvcompReader(args.dir, **knobs))
+        with collector_paused(GC_OFF):
+            dcp.load(out, storage_reader=nvdcp.NvcompReader(args.dir, **knobs))
         if args.device == "cuda":
             torch.cuda.synchronize()
         load_s, load_cpu = time.perf_counter() - t0, time.process_time() - c0
+        load_gc = collector.take()
         assert states_equal(state, out), "load differs from the state saved"
         run: dict[str, Any] = {"save_s": save_s, "load_s": load_s, "save_cpu_s": save_cpu, "load_cpu_s": load_cpu,
+               "save_gc": save_gc, "load_gc": load_gc,
                "save": save_rows, "load": {k: list(v) for k, v in timers.rows.items()}}
         if args.stock:
+            collector.take()
             run["stock_save_s"], run["stock_load_s"] = stock_times(state, args.dir + "-stock", args.device)
+            run["stock_gc"] = collector.take()  # save and load together
         runs.append(run)
-        print(f"repeat {rep}: save {save_s:.3f} s (process CPU {save_cpu:.3f} s), "
-              f"load {load_s:.3f} s (process CPU {load_cpu:.3f} s)"
-              + (f" (stock {run['stock_save_s']:.3f} / {run['stock_load_s']:.3f} s)" if args.stock else ""), flush=True)
+        print(f"repeat {rep}: save {save_s:.3f} s (process CPU {save_cpu:.3f} s, collector {save_gc['seconds']:.3f} s "
+              f"in {sum(save_gc['collections'])}), load {load_s:.3f} s (process CPU {load_cpu:.3f} s, collector "
+              f"{load_gc['seconds']:.3f} s in {sum(load_gc['collections'])})"
+              + (f" (stock {run['stock_save_s']:.3f} / {run['stock_load_s']:.3f} s, collector "
+                 f"{run['stock_gc']['seconds']:.3f} s in {sum(run['stock_gc']['collections'])})" if args.stock else ""),
+              flush=True)
     last = runs[-1]
-    result: dict[str, Any] = {"count": args.count, "device": args.device, "switch_interval": sys.getswitchinterval(),
+    result: dict[str, Any] = {"count": args.count, "device": args.device, "gc_freeze": args.gc_freeze,
+                              "gc_off": args.gc_off, "switch_interval": sys.getswitchinterval(),
                               "thread_count": args.thread_count, "save_s": last["save_s"],
                               "load_s": last["load_s"], "save_cpu_s": last["save_cpu_s"],
-                              "load_cpu_s": last["load_cpu_s"], "stock_save_s": last.get("stock_save_s"),
+                              "load_cpu_s": last["load_cpu_s"], "save_gc": last["save_gc"], "load_gc": last["load_gc"],
+                              "stock_gc": last.get("stock_gc"), "stock_save_s": last.get("stock_save_s"),
                               "stock_load_s": last.get("stock_load_s"), "missing_targets": missing, "phases": {}}
     for op in ("save", "load"):
         rows = sorted(last[op].items(), key=lambda kv: -kv[1][1])
