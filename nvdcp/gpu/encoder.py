@@ -429,26 +429,38 @@ class GpuEncoder:
 
     # -- device work ---------------------------------------------------------------------------
     def _slot_table(self, jobs: list[GpuJob], bucket: _Bucket) -> tuple[np.ndarray, np.ndarray, list[tuple[str, str | None]]]:
-        """Per slot: uncompressed bytes and codec group (-1: stored raw); and the group keys."""
+        """Per slot: uncompressed bytes and codec group (-1: stored raw); and the group keys
+        (numbered in order of first use). Per segment only a few attribute reads and a lookup of
+        its layout's row of plane keys; the slots are filled by numpy (a bucket of small tensors
+        has hundreds of segments, a GB of large ones ~16k slots)."""
         c = self.chunk_bytes
-        # numpy, not Python loops: a GB is ~16k slots
-        raw_sizes = np.empty(bucket.slots, dtype=np.int64)
-        slot_key = np.full(bucket.slots, -1, dtype=np.int32)
         keys: dict[tuple[str, str | None], int] = {}
+        row_of: dict[tuple[tuple[str, ...], torch.dtype], int] = {}
+        key_rows: list[list[int]] = []
+        cols: list[tuple[int, int, int, int, int, int]] = []  # first slot, blocks, first block, planes, elements, row
         for seg in bucket.segments:
             job = jobs[seg.job]
-            p = job.n_planes
-            m = min(job.elements, (seg.first_block + seg.n_blocks) * c) - seg.first_block * c
-            full, tail = divmod(m, c)
-            span = slice(seg.first_slot, seg.first_slot + seg.n_blocks * p)
-            raw_sizes[span] = c
-            if tail:
-                raw_sizes[seg.first_slot + full * p : span.stop] = tail
-            plane_keys = [
-                -1 if name == "none" else keys.setdefault((name, typed_data_type(name, job.dtype)), len(keys))
-                for name in job.layout.plane_codecs
-            ]
-            slot_key[span] = np.tile(np.asarray(plane_keys, dtype=np.int32), seg.n_blocks)
+            codecs = job.layout.plane_codecs
+            row = row_of.get((codecs, job.dtype))
+            if row is None:
+                row = row_of[(codecs, job.dtype)] = len(key_rows)
+                key_rows.append([-1 if name == "none" else keys.setdefault((name, typed_data_type(name, job.dtype)), len(keys))
+                                 for name in codecs])
+            cols.append((seg.first_slot, seg.n_blocks, seg.first_block, len(codecs), job.elements, row))
+        raw_sizes = np.empty(bucket.slots, dtype=np.int64)
+        slot_key = np.full(bucket.slots, -1, dtype=np.int32)
+        if cols:
+            first, blocks, first_block, planes, elements, rows = np.asarray(cols, dtype=np.int64).T
+            counts = blocks * planes
+            seg_of = np.repeat(np.arange(len(cols)), counts)
+            at = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+            slot = first[seg_of] + at
+            block, plane = first_block[seg_of] + at // planes[seg_of], at % planes[seg_of]
+            raw_sizes[slot] = np.minimum(c, elements[seg_of] - block * c)  # the item's last block may be short
+            table = np.full((len(key_rows), max(map(len, key_rows))), -1, dtype=np.int32)
+            for r, key_row in enumerate(key_rows):
+                table[r, : len(key_row)] = key_row
+            slot_key[slot] = table[rows[seg_of], plane]
         return raw_sizes, slot_key, sorted(keys, key=lambda k: keys[k])
 
     def _split_planes(self, jobs: list[GpuJob], bucket: _Bucket, slots: torch.Tensor) -> None:

@@ -458,3 +458,52 @@ def test_bucket_records_built_together_equal_those_built_one_at_a_time(run_bound
         whole = b"".join(bytes(piece) for piece in b.gather())
         assert whole == b"".join(expected[j.key][0].header_bytes + expected[j.key][1] for j, _ in b.items())
         assert len(whole) == b.nbytes
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_slot_table_matches_the_per_segment_rule(seed: int) -> None:
+    """GpuEncoder._slot_table fills its arrays with numpy: every slot's raw size (a full chunk,
+    or the short last block of an item) and codec group, and the groups numbered in order of
+    first use, are those of the per-segment rule, for segments of mixed layouts and dtypes, items
+    cut over buckets, single short blocks and empty items."""
+    from nvdcp.gpu.encoder import GpuEncoder, GpuJob, _Bucket, _Segment
+    from nvdcp.gpu.nvcomp_codecs import typed_data_type
+    from nvdcp.pipeline.policy import Layout
+
+    rng = np.random.default_rng(seed)
+    chunk = 1024
+    encoder = object.__new__(GpuEncoder)
+    encoder.chunk_bytes = chunk
+    layouts = [(torch.float32, Layout(1, ("gdeflate", "none", "none", "zstd"))), (torch.bfloat16, Layout(1, ("ans", "none"))),
+               (torch.uint8, Layout(0, ("zstd",))), (torch.float32, Layout(1, ("gdeflate", "gdeflate", "none", "none")))]
+    jobs, segments, slot = [], [], 0
+    for j in range(int(rng.integers(1, 30))):
+        dtype, layout = layouts[int(rng.integers(len(layouts)))]
+        elements = int(rng.choice([0, rng.integers(1, chunk), rng.integers(1, 6) * chunk, rng.integers(chunk, 7 * chunk)]))
+        jobs.append(GpuJob(f"j{j}", torch.zeros(elements * len(layout.plane_codecs), dtype=torch.uint8), layout,
+                           dtype, 0, (elements,)))
+        blocks = -(-elements // chunk)
+        first_block = int(rng.integers(0, blocks)) if blocks and rng.random() < 0.3 else 0  # a later part of a cut item
+        n_blocks = blocks - first_block if blocks else 0
+        segments.append(_Segment(j, first_block, n_blocks, slot))
+        slot += n_blocks * len(layout.plane_codecs)
+    bucket = _Bucket(segments, slot)
+    raw_sizes, slot_key, keys = encoder._slot_table(jobs, bucket)
+
+    want_raw = np.empty(slot, dtype=np.int64)
+    want_key = np.full(slot, -1, dtype=np.int32)
+    ids: dict[Any, int] = {}
+    for seg in segments:
+        job = jobs[seg.job]
+        p = job.n_planes
+        m = min(job.elements, (seg.first_block + seg.n_blocks) * chunk) - seg.first_block * chunk
+        full, tail = divmod(m, chunk)
+        want_raw[seg.first_slot : seg.first_slot + seg.n_blocks * p] = chunk
+        if tail:
+            want_raw[seg.first_slot + full * p : seg.first_slot + seg.n_blocks * p] = tail
+        plane_keys = [-1 if n == "none" else ids.setdefault((n, typed_data_type(n, job.dtype)), len(ids))
+                      for n in job.layout.plane_codecs]
+        want_key[seg.first_slot : seg.first_slot + seg.n_blocks * p] = np.tile(np.asarray(plane_keys, dtype=np.int32), seg.n_blocks)
+    assert raw_sizes.tolist() == want_raw.tolist()
+    assert slot_key.tolist() == want_key.tolist()
+    assert keys == sorted(ids, key=lambda k: ids[k])
