@@ -953,6 +953,8 @@ class _RecordWriter:
         self.flush()
         sizes = batch.record_nbytes
         offsets = self.pos + np.cumsum(sizes) - sizes
+        if not len(sizes):
+            return offsets
         large = sizes > SMALL_RECORD_BYTES if self.max_run is None else np.zeros(len(sizes), dtype=bool)
         # consecutive records written together: runs of small ones, each large one alone
         cuts = np.flatnonzero(large[1:] | large[:-1]) + 1

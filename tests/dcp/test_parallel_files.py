@@ -408,3 +408,28 @@ def test_a_batch_is_shared_out_in_consecutive_parts() -> None:
     after = {f: f.counts[0] + sum(e.nbytes for e in parts.get(f, [])) for f in files}
     assert abs(after[files[0]] - after[files[2]]) <= 2 * int(batch.record_nbytes.max()), after
     assert ("s" in [e[0] for e in shares[files[0]] + shares[files[2]] if not isinstance(e, RecordBatch)])
+
+
+def test_append_batch_offsets_follow_what_is_already_written(tmp_path: Path) -> None:
+    """A batch appended after other bytes gets the offsets where its records start in the file
+    (each record's header at its offset); an empty part writes nothing."""
+    owned = []
+    for i in range(5):
+        chunk = bytes([i + 1]) * (50 + 7 * i)
+        header = SimpleNamespace(kind=0, dtype_code=2, transform=0, plane_codecs=(0,), shape=(len(chunk),),
+                                 chunk_bytes=65536, raw_nbytes=len(chunk), chunks=[(len(chunk), 0)])
+        owned.append((SimpleNamespace(key=f"k{i}"), header, bytes([0x40 + i]) * 24, [chunk]))
+    batch = batch_of(owned, memoryview(b"".join(c for *_, (c,) in owned)))
+    storage = LocalStorage(tmp_path, sync=False)
+    storage.prepare()
+    stream = storage.create("data")
+    out = writer_mod._RecordWriter(stream)
+    out.start(b"FILEHEAD")
+    assert out.append_batch(batch.part(2, 2)).tolist() == [] and out.pos == 8
+    offsets = out.append_batch(batch.part(1, 4))
+    out.flush()
+    stream.commit()
+    data = (tmp_path / "data").read_bytes()
+    assert len(data) == out.pos == 8 + batch.part(1, 4).nbytes
+    for off, (_, _, head, (chunk,)) in zip(offsets.tolist(), owned[1:4]):
+        assert data[off : off + len(head) + len(chunk)] == head + chunk
