@@ -65,8 +65,9 @@ class Row:
         d = asdict(self)
         d.update(
             ratio=round(self.ratio, 4),
-            encode_gbps=None if self.encode_gbps is None else round(self.encode_gbps, 4),
-            decode_gbps=None if self.decode_gbps is None else round(self.decode_gbps, 4),
+            # four significant digits, not decimals: a slow codec on a few KiB is not 0 GB/s
+            encode_gbps=None if self.encode_gbps is None else float(f"{self.encode_gbps:.4g}"),
+            decode_gbps=None if self.decode_gbps is None else float(f"{self.decode_gbps:.4g}"),
             encode_s=round(self.encode_s, 5), decode_s=round(self.decode_s, 5),
         )
         return d

@@ -72,3 +72,14 @@ def test_benchmark_script_smoke(tmp_path: Path) -> None:
     assert doc["schema"] == "nvdcp.codec_bench/1" and doc["results"][0]["codec"] == "zstd"
     assert result.with_suffix(".png").read_bytes().startswith(PNG)
     assert "| zstd |" in proc.stdout
+
+
+def test_slow_speeds_are_not_rounded_to_zero() -> None:
+    """A codec timed on a few KiB can run at micro-GB/s: the JSON keeps four significant digits
+    (four decimals made it 0.0, which `nvdcp bench` users and the GPU test read as missing)."""
+    from nvdcp.codec_bench import Row
+
+    row = Row("gdeflate", "cpu", "float32", items=1, raw_bytes=3000, stored_bytes=1000, encode_s=0.05, decode_s=0.5)
+    d = row.as_dict()
+    assert d["encode_gbps"] == 6e-05 and d["decode_gbps"] == 6e-06 and d["ratio"] == 3.0
+    assert Row("zstd", "cpu", "float32", raw_bytes=10**10, encode_s=0.7, decode_s=0.0).as_dict()["encode_gbps"] == 14.29
