@@ -23,6 +23,8 @@ from nvdcp.format.header import (
     FULL_ITEM_VERSION,
     ITEM_FIXED_SIZE,
     ITEM_MAGIC,
+    ChunkTable,
+    ItemHeader,
 )
 
 CRC_SIZE = 4
@@ -42,6 +44,16 @@ class HeaderFields(NamedTuple):
     raw_nbytes: int
     base_digest: int | None = None  # set: a delta (v2) record
     delta_kind: int = 0
+
+
+def header_of(f: HeaderFields, table: np.ndarray, header_bytes: int, stored_crc: int) -> ItemHeader:
+    """The :class:`ItemHeader` of a header packed by :func:`pack_headers_into` from ``f``, its
+    chunk table rows ``table`` (``(chunks, 2)`` uint32), size and CRC32C (no parsing)."""
+    return ItemHeader(
+        kind=f.kind, dtype_code=f.dtype_code, shape=f.shape, raw_nbytes=f.raw_nbytes, transform=f.transform,
+        plane_codecs=f.plane_codecs, chunks=ChunkTable.of_array(table), chunk_bytes=f.chunk_bytes,
+        base_digest=f.base_digest, delta_kind=f.delta_kind, header_bytes=header_bytes, stored_crc=stored_crc,
+    )
 
 
 @functools.cache

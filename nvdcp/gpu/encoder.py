@@ -32,7 +32,7 @@ import torch
 from nvdcp.codecs import codec_id
 from nvdcp.format.crc import checksum_ranges
 from nvdcp.format.header import TRANSFORM_BYTEPLANES, ChunkTable, ItemHeader
-from nvdcp.format.header_batch import HeaderFields, header_layout, pack_headers_into
+from nvdcp.format.header_batch import HeaderFields, header_layout, header_of, pack_headers_into
 from nvdcp.gpu import crc32c
 from nvdcp.gpu.allocator import install_allocator
 from nvdcp.gpu.nvcomp_codecs import CodecCache, typed_data_type
@@ -689,12 +689,7 @@ class GpuEncoder:
             owners, fields, starts.tolist(), sizes.tolist(), first_chunk[:-1].tolist(), first_chunk[1:].tolist(),
             header_crcs.tolist(), chunk_spans,
         ):
-            header = ItemHeader(
-                kind=f.kind, dtype_code=f.dtype_code, shape=f.shape, raw_nbytes=f.raw_nbytes, transform=f.transform,
-                plane_codecs=f.plane_codecs, chunks=ChunkTable.of_array(table[c0:c1]), chunk_bytes=c,
-                base_digest=f.base_digest, delta_kind=f.delta_kind, header_bytes=size, stored_crc=crc,
-            )
-            out.append((job, EncodedItem(header, bytes(hview[at : at + size]), chunks)))
+            out.append((job, EncodedItem(header_of(f, table[c0:c1], size, crc), bytes(hview[at : at + size]), chunks)))
         return out
 
     def _item(self, job: GpuJob, spans: ChunkSpans, crcs: np.ndarray) -> EncodedItem:

@@ -51,6 +51,7 @@ from nvdcp.format.header_batch import (
     ENTRY_SIZE,
     HeaderFields,
     header_layout,
+    header_of,
     pack_headers_into,
 )
 from nvdcp.pipeline.cpu import (
@@ -259,18 +260,13 @@ def _encode_group(tensors: list[torch.Tensor], dtype_code: int, layout: Layout, 
     view = out.data
 
     records = []
-    for i, (shape, at, size, end, c0, c1, nbytes, crc) in enumerate(zip(
-        shapes, start.tolist(), header_bytes.tolist(), record_off[1:].tolist(), first_chunk[:-1].tolist(),
-        first_chunk[1:].tolist(), raw.tolist(), header_crcs.tolist(),
+    for i, (f, at, size, end, c0, c1, crc) in enumerate(zip(
+        fields, start.tolist(), header_bytes.tolist(), record_off[1:].tolist(), first_chunk[:-1].tolist(),
+        first_chunk[1:].tolist(), header_crcs.tolist(),
     )):
-        header = ItemHeader(
-            kind=KIND_TENSOR, dtype_code=dtype_code, shape=shape, raw_nbytes=nbytes, transform=layout.transform,
-            plane_codecs=ids, chunks=ChunkTable.of_array(table[c0:c1]), chunk_bytes=cb, header_bytes=size,
-            stored_crc=crc, base_digest=deltas.digests[i] if deltas is not None else None,
-            delta_kind=deltas.kind if deltas is not None else 0,
-        )
-        records.append(EncodedItem(header, bytes(view[at : at + size]), [view[at + size : end]],
-                                   unchanged=deltas is not None and deltas.unchanged[i], record=view[at:end]))
+        records.append(EncodedItem(header_of(f, table[c0:c1], size, crc), bytes(view[at : at + size]),
+                                   [view[at + size : end]], unchanged=deltas is not None and deltas.unchanged[i],
+                                   record=view[at:end]))
     return records
 
 

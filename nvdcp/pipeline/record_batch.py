@@ -20,8 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from nvdcp.format.header import ChunkTable, ItemHeader
-from nvdcp.format.header_batch import HeaderFields
+from nvdcp.format.header_batch import HeaderFields, header_of
 from nvdcp.pipeline.cpu import EncodedItem
 from nvdcp.storage.spans import ChunkSpans, Gather
 
@@ -112,12 +111,7 @@ class RecordBatch:
         for i in range(self.lo, self.hi):
             f = self.fields[i]
             at, end, c0, c1 = starts[i], starts[i + 1], firsts[i], firsts[i + 1]
-            header = ItemHeader(
-                kind=f.kind, dtype_code=f.dtype_code, shape=f.shape, raw_nbytes=f.raw_nbytes, transform=f.transform,
-                plane_codecs=f.plane_codecs, chunks=ChunkTable.of_array(self.table[c0:c1]), chunk_bytes=self.chunk_bytes,
-                base_digest=f.base_digest, delta_kind=f.delta_kind, header_bytes=end - at,
-                stored_crc=int(self.digests[i]),
-            )
+            header = header_of(f, self.table[c0:c1], end - at, int(self.digests[i]))
             spans = ChunkSpans.of(self.chunks, self.chunk_starts[c0:c1], self.table[c0:c1, 0].astype(np.int64))
             out.append((self.jobs[i], EncodedItem(header, bytes(view[at:end]), spans)))
         return out
