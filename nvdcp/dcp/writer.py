@@ -690,7 +690,7 @@ def _share_out(records: list[tuple[Any, EncodedItem] | RecordBatch],
     shares: dict[_FileWriter, list[_ShareEntry]] = {}
     for record in records:
         if isinstance(record, RecordBatch):
-            for i, part in split_by_load(record, [load[0] for load in loads]):
+            for i, part in split_by_load(record, [load[0] for load in loads], [load[1] for load in loads]):
                 loads[i][0] += part.nbytes
                 loads[i][1] += part.nbytes
                 shares.setdefault(files[i], []).append(part)
@@ -770,12 +770,7 @@ class _FileWriter:
         assert self.out is not None
         t1 = time.perf_counter()
         offset = self.out.append(encoded, borrowed)
-        t2 = time.perf_counter()
-        self.sizes[0] += encoded.header.raw_nbytes
-        self.sizes[1] += encoded.nbytes
-        self.secs[0] += t1 - self.clock
-        self.secs[1] += t2 - t1
-        self.clock = t2
+        self._count(encoded.header.raw_nbytes, encoded.nbytes, t1)
         self.results.append(self.writer._result(self.name, item, offset, encoded))
 
     def write_batch(self, batch: RecordBatch) -> None:
@@ -783,13 +778,17 @@ class _FileWriter:
         assert self.out is not None
         t1 = time.perf_counter()
         offsets = self.out.append_batch(batch)
-        t2 = time.perf_counter()
-        self.sizes[0] += batch.raw_nbytes
-        self.sizes[1] += batch.nbytes
-        self.secs[0] += t1 - self.clock
-        self.secs[1] += t2 - t1
-        self.clock = t2
+        self._count(batch.raw_nbytes, batch.nbytes, t1)
         self.results.extend(self.writer._batch_results(self.name, batch, offsets))
+
+    def _count(self, raw: int, stored: int, write_started: float) -> None:
+        """Bytes written and time spent: waiting for records since the last write, then writing."""
+        now = time.perf_counter()
+        self.sizes[0] += raw
+        self.sizes[1] += stored
+        self.secs[0] += write_started - self.clock
+        self.secs[1] += now - write_started
+        self.clock = now
 
     def _write_queued(self, block: bool) -> bool:
         """Write GPU records waiting in the queue (``block``: until the end marker). Returns

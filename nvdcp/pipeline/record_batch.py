@@ -117,36 +117,39 @@ class RecordBatch:
         return out
 
 
-def split_by_load(batch: RecordBatch, loads: list[int]) -> list[tuple[int, RecordBatch]]:
+def split_by_load(batch: RecordBatch, loads: list[int], given: list[int] | None = None) -> list[tuple[int, RecordBatch]]:
     """``batch`` cut into consecutive parts for the files whose queued bytes are ``loads``:
     ``(file index, part)``, filling the least loaded files up to one common level (each file's
-    load plus its part is about equal where it gets one), so a bucket costs one entry per file."""
+    load plus its part is about equal where it gets one), so a bucket costs one entry per file.
+
+    Files equally loaded are taken in order of ``given`` (bytes given so far, fewest first), and
+    each file taken gets at least one record: when the files keep up (nothing queued anywhere) a
+    batch of fewer records than files goes to those given least so far, one record each."""
+    n = len(batch)
+    if n == 0:
+        return []
     sizes = batch.record_nbytes
-    total = int(sizes.sum())
-    order = sorted(range(len(loads)), key=loads.__getitem__)
-    # the level L with sum(max(0, L - load)) == total over the files below it
-    level, below = float(loads[order[0]]), 0
+    total = float(sizes.sum())
+    ties = given if given is not None else [0] * len(loads)
+    order = sorted(range(len(loads)), key=lambda f: (loads[f], ties[f]))
+    # the level L with sum(L - load) == total over the files below it
+    below = len(order)
     for k in range(len(order)):
-        below = k + 1
-        nxt = loads[order[k + 1]] if k + 1 < len(order) else None
-        level = (total + sum(loads[g] for g in order[:below])) / below
-        if nxt is None or level <= nxt:
+        level = (total + sum(loads[f] for f in order[: k + 1])) / (k + 1)
+        if k + 1 == len(order) or level <= loads[order[k + 1]]:
+            below = k + 1
             break
-    ends = np.cumsum(sizes)
-    out: list[tuple[int, RecordBatch]] = []
-    start, given = 0, 0.0
-    for k, f in enumerate(order[:below]):
-        if k == below - 1:
-            stop = len(batch)
-        else:
-            given += max(0.0, level - loads[f])
-            # the record that crosses the file's share goes to it when more than half is inside
-            stop = int(np.searchsorted(ends - sizes / 2, given, side="right"))
-            stop = max(start, min(stop, len(batch)))
-        if stop > start:
-            out.append((f, batch.part(start, stop)))
-        start = stop
-    return out
+    files = order[: min(below, n)]
+    m = len(files)
+    level = (total + sum(loads[f] for f in files)) / m
+    shares = np.maximum(0.0, level - np.asarray([loads[f] for f in files], dtype=np.float64))
+    # the record that crosses a file's share goes to it when more than half is inside
+    cuts = np.searchsorted(np.cumsum(sizes) - sizes / 2, np.cumsum(shares)[:-1], side="right")
+    # at least one record each: cut i in [i + 1, n - m + 1 + i], strictly increasing
+    at = np.arange(m - 1)
+    cuts = np.maximum.accumulate(np.clip(cuts, at + 1, n - m + 1 + at) - at) + at
+    bounds = [0, *cuts.tolist(), n]
+    return [(f, batch.part(a, b)) for f, a, b in zip(files, bounds, bounds[1:])]
 
 
 __all__ = ["RecordBatch", "split_by_load"]

@@ -86,3 +86,11 @@ def test_split_by_load_covers_the_batch_in_order_and_evens_out_the_files(loads: 
 def test_split_by_load_of_an_empty_batch() -> None:
     batch = _batch([2, 1]).part(1, 1)
     assert split_by_load(batch, [0, 0]) == []
+
+
+def test_split_by_load_breaks_ties_by_bytes_given() -> None:
+    """Files with nothing queued (they keep up) are filled fewest-bytes-given first, so a batch
+    of two records does not always land on the same two of four files."""
+    batch = _batch([1, 1], seed=3)
+    assert [f for f, _ in split_by_load(batch, [0, 0, 0, 0], [900, 0, 500, 100])][:2] == [1, 3]
+    assert [f for f, _ in split_by_load(batch, [0, 0, 0, 0], [0, 900, 100, 500])][:2] == [0, 2]
