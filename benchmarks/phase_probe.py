@@ -212,7 +212,10 @@ class CollectorTimer:
 def _caller_in_checkpointing() -> str:
     """The innermost frame of nvdcp's or DCP's code on this thread's stack (what allocated when
     the collector started), as ``module:function``."""
-    frame = sys._getframe(2)
+    try:
+        frame = sys._getframe(2)
+    except ValueError:  # called from the interpreter's shutdown, with no Python caller
+        return "?"
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
         if module.startswith(("nvdcp", "torch.distributed.checkpoint")):

@@ -46,6 +46,7 @@ from torch.futures import Future
 
 from nvdcp.dcp import descriptor
 from nvdcp.dcp.any_metadata import load_any_metadata
+from nvdcp.dcp.collector import collector_paused
 from nvdcp.dcp.stock_items import (
     DIRECT_MIN_BYTES,
     OpenFiles,
@@ -261,6 +262,7 @@ class NvcompReader(StorageReader):
         self.metadata = None
         self._file_sizes = {}
 
+    @collector_paused
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         # Stock .metadata pickles pathlib paths (storage_meta.checkpoint_id): admitted, inert.
         metadata = load_any_metadata(self.storage)
@@ -759,6 +761,7 @@ class NvcompReader(StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
+    @collector_paused
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         assert self.metadata is not None, "set_up_storage_reader was not called"
         started = time.perf_counter()

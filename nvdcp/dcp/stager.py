@@ -46,6 +46,7 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem
 
+from nvdcp.dcp.collector import collector_paused
 from nvdcp.errors import StagingError
 from nvdcp.format.dtypes import dtype_code
 from nvdcp.format.header import DEFAULT_CHUNK_BYTES, ItemHeader
@@ -533,6 +534,7 @@ class NvcompStager:
         self._side_streams.clear()
         self.encoder.close()
 
+    @collector_paused
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any] | Future[dict[str, Any]]:
         """Return a staged copy of ``state_dict`` that later training steps cannot change
         (with ``return_future`` or ``async_staging``: a future of it).

@@ -37,6 +37,7 @@ from torch.futures import Future
 
 from nvdcp.codecs import codec_name
 from nvdcp.dcp import descriptor
+from nvdcp.dcp.collector import collector_paused
 from nvdcp.dcp.commit import (
     HISTORY,
     CheckpointCommit,
@@ -354,6 +355,7 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
             return None
         return resolve_base(self.path, candidate, self.storage_options, self.delta.max_chain, explicit=False)
 
+    @collector_paused
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix: _FilePrefix = plan.storage_data
         started = time.perf_counter()
@@ -436,6 +438,7 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
             except Exception as exc:  # noqa: BLE001 - the save's first error is the one raised
                 logger.debug("aborting %s: %s", name, exc)
 
+    @collector_paused
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         storage_md, digests = split_results(results)
         commit = self._commit or CheckpointCommit(self.storage)  # no marker without a global plan step
