@@ -902,16 +902,15 @@ class NvcompReader(StorageReader):
         targets.pop(reqs[0].storage_index, None)
         if target.is_cuda:
             # One request for the whole stored tensor: decode straight into it (see _gpu_batches).
-            # Its flat bytes are found here, on the calling thread before any I/O thread runs:
-            # torch calls on the I/O threads wait on the GIL behind the others (measured on the
-            # H200: a third of a small-tensor load in one reshape/view per item).
+            # It is checked here, on the calling thread before any I/O thread runs: torch calls
+            # on the I/O threads wait on the GIL behind the others (measured on the H200: a third
+            # of a small-tensor load in one reshape/view per item).
             dtype, shape = self.expected(reqs[0].storage_index)
             if len(reqs) == 1 and shape is not None and not any(reqs[0].storage_offsets) \
                     and tuple(reqs[0].lengths) == shape:
                 whole = target.detach() if target.requires_grad else target
-                flat = _flat_gpu_destination(whole, dtype, shape)
-                if flat is not None:
-                    targets[reqs[0].storage_index] = (whole, flat)
+                if _decodes_into(whole, dtype, shape):
+                    targets[reqs[0].storage_index] = (whole, tensor_nbytes(shape, whole.dtype))
             return target.device
         if self.gpu.decode_device == "cpu" or (
             self.gpu.decode_device == "auto" and _host_decodes_faster(self._record(reqs[0].storage_index))
@@ -967,14 +966,14 @@ class NvcompReader(StorageReader):
     @_rereads
     def _load_gpu_batch(
         self, indexes: list[MetadataIndex], device: torch.device, report: Report,
-        targets: Sequence[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
+        targets: Sequence[tuple[torch.Tensor, int] | None] | None = None,
     ) -> list[tuple[MetadataIndex, ItemHeader, Any]]:
         """Fetch and check several items' headers on the host, then read their chunks into pinned
         staging and copy, check (CRC32C) and decode them together on ``device``, in overlapped passes.
 
-        ``targets[i]`` (optional): ``(tensor, flat)`` for item ``i`` when one request wants the
+        ``targets[i]`` (optional): ``(tensor, nbytes)`` for item ``i`` when one request wants the
         whole stored tensor and the planner's tensor is a dense tensor of the stored dtype and
-        shape (``flat``: its bytes, see :func:`_flat_gpu_destination`), resolved by the caller.
+        shape (see :func:`_decodes_into`), resolved by the caller.
         When it is on ``device`` and its size matches the header, the item is decoded straight
         into it and comes back as ``_InPlace(tensor)`` (only the commit is left); otherwise as a
         flat uint8 CUDA tensor.
@@ -1015,8 +1014,8 @@ class NvcompReader(StorageReader):
             found = targets[i] if targets is not None else None
             out = None
             whole = None
-            if found is not None and found[0].device == device and found[1].numel() == header.raw_nbytes:
-                whole, out = found
+            if found is not None and found[1] == header.raw_nbytes and found[0].device == device:
+                whole = out = found[0]
             placed.append(whole)
             fill = None if payload is not None else self._chunk_filler(name, offset, header)
             requests.append(DecodeRequest(header, dtype, where, payload=payload, fill=fill, out=out, table=table))
@@ -1527,16 +1526,16 @@ class _RecordRun:
 
 
 class _GpuBatch(list):  # type: ignore[type-arg]
-    """A GPU batch's indexes, with each item's destination (tensor, its flat bytes) when decoded
-    straight into it (None: decoded to a new tensor)."""
+    """A GPU batch's indexes, with each item's destination (tensor, its size in bytes) when
+    decoded straight into it (None: decoded to a new tensor)."""
 
-    def __init__(self, indexes: list[MetadataIndex], targets: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+    def __init__(self, indexes: list[MetadataIndex], targets: list[tuple[torch.Tensor, int] | None]) -> None:
         super().__init__(indexes)
         self.targets = targets
 
 
 #: Per reader: whole-tensor GPU destinations found by ``_decode_device`` for the current read_data.
-_GPU_TARGETS: weakref.WeakKeyDictionary[NvcompReader, dict[MetadataIndex, tuple[torch.Tensor, torch.Tensor]]] = (
+_GPU_TARGETS: weakref.WeakKeyDictionary[NvcompReader, dict[MetadataIndex, tuple[torch.Tensor, int]]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -1555,17 +1554,15 @@ def _host_decodes_faster(info: _StorageInfo) -> bool:
     return info.length <= HOST_DECODE_RECORD_BYTES and info.transform_descriptors in _HOST_DECODED
 
 
-def _flat_gpu_destination(target: torch.Tensor, dtype: torch.dtype | None, shape: tuple[int, ...] | None) -> torch.Tensor | None:
-    """``target``'s memory as a flat uint8 tensor when the stored tensor can be decoded straight
-    into it: a dense CUDA tensor of the stored dtype and shape (no lazy conjugation or negation)."""
+def _decodes_into(target: torch.Tensor, dtype: torch.dtype | None, shape: tuple[int, ...] | None) -> bool:
+    """Whether the stored tensor can be decoded straight into ``target``: a dense CUDA tensor of
+    the stored dtype and shape (no lazy conjugation or negation). No view is made: the decoder
+    writes by address (on the H200 a flat uint8 view cost several microseconds per item)."""
     if type(target) is not torch.Tensor or target.dtype != dtype or shape is None or not target.is_cuda:
-        return None
-    if tuple(target.shape) != shape or not target.is_contiguous() or target.is_conj() or target.is_neg():
-        return None
-    try:
-        return target.flatten().view(torch.uint8)  # a view (contiguous); cheaper than reshape(-1)
-    except RuntimeError:
-        return None
+        return False
+    if target.shape != shape or not target.is_contiguous():
+        return False
+    return not (dtype.is_complex and (target.is_conj() or target.is_neg()))
 
 
 @dataclasses.dataclass

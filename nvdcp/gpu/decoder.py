@@ -62,8 +62,9 @@ class DecodeRequest:
     ``payload`` holds the chunk bytes (everything after the header) in memory; or ``fill`` reads
     them straight into staging: ``fill(first_chunk, buffers)`` fills ``buffers`` with the stored
     bytes of chunks ``first_chunk, first_chunk + 1, ...`` (a scatter read from storage).
-    ``out``: where the item's raw bytes go (a contiguous uint8 tensor of ``header.raw_nbytes`` on
-    the decoder's device, e.g. a flat view of the destination tensor); None: a new tensor.
+    ``out``: where the item's raw bytes go (a contiguous tensor of ``header.raw_nbytes`` bytes on
+    the decoder's device, of any dtype and shape: e.g. the destination tensor itself); None: a
+    new flat uint8 tensor.
     ``where`` names the item in errors (a string, or any object whose ``str`` does: built only
     when an error needs it). ``table``: the chunk table as arrays (stored sizes int64, CRC32Cs
     uint32) when the caller has it (e.g. read in place from the record); else built from the header.
@@ -254,10 +255,11 @@ class GpuDecoder:
             n = req.header.raw_nbytes
             if out is None:
                 fresh.append(i)
-            elif out.dtype != torch.uint8 or out.numel() != n or not out.is_contiguous() or out.device != self.device:
-                raise ValueError(f"{req.where}: out must be a contiguous uint8 tensor of {n} bytes on {self.device}")
-            elif out.dim() != 1:
-                out = out.view(-1)
+            elif out.numel() * out.element_size() != n or not out.is_contiguous() or out.device != self.device:
+                raise ValueError(f"{req.where}: out must be a contiguous tensor of {n} bytes on {self.device}")
+            elif not self.fused and (out.dtype != torch.uint8 or out.dim() != 1):
+                # the fused merge writes by address; _merge copies into flat bytes
+                out = out.reshape(-1).view(torch.uint8)
             outs.append(out)
         if fresh:
             # aligned starts: the caller views each as its dtype

@@ -120,6 +120,45 @@ def test_decode_many_writes_straight_into_out(tmp_path: Path) -> None:
         assert bit_equal(dest.cpu(), sd[key].cpu()), key
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-merge", "torch-merge"])
+def test_decode_many_writes_into_destinations_of_any_dtype_and_shape(fused: bool) -> None:
+    # The reader hands the destination tensors themselves (no flat uint8 view per item): the
+    # fused merge writes by address, the torch merge views them as bytes.
+    from nvdcp.gpu.decoder import DecodeRequest, GpuDecoder
+
+    enc = ItemEncoder(EncodeConfig(codec="auto"), GpuConfig(gpu_memory_bytes=64 * MiB))
+    sd = {
+        "bf16": weights_like((300, 70), seed=1).to(torch.bfloat16).to(CUDA),
+        "fp32_3d": weights_like((4, 50, 33), seed=2).to(CUDA),
+        "scalar": torch.tensor(3.25, device=CUDA),
+        "int64": torch.arange(1000, device=CUDA),
+    }
+    try:
+        records = _records(enc, sd)
+    finally:
+        enc.close()
+    decoder = GpuDecoder(CUDA, budget_bytes=6 * MiB, pinned_bytes=8 * MiB)
+    if not fused:
+        decoder.fused = False  # as with NVDCP_GPU_MERGE=0 (merge_available() is cached)
+    assert decoder.fused == fused
+    requests, dests = [], []
+    for key, rec in records.items():
+        header = parse_item_header_only(memoryview(rec), key)
+        dest = torch.zeros_like(sd[key])
+        dests.append(dest)
+        payload = np.frombuffer(rec, dtype=np.uint8)[header.header_bytes :]
+        requests.append(DecodeRequest(header, sd[key].dtype, key, payload=payload, out=dest))
+    outs = decoder.decode_many(requests)
+    for out, dest, key in zip(outs, dests, records):
+        assert out.data_ptr() == dest.data_ptr()
+        assert bit_equal(dest.cpu(), sd[key].cpu()), key
+    header = parse_item_header_only(memoryview(records["bf16"]), "bf16")
+    payload = np.frombuffer(records["bf16"], dtype=np.uint8)[header.header_bytes :]
+    too_small = torch.zeros(300, 69, dtype=torch.bfloat16, device=CUDA)
+    with pytest.raises(ValueError, match="bf16: out must be a contiguous tensor of 42000 bytes"):
+        decoder.decode_many([DecodeRequest(header, torch.bfloat16, "bf16", payload=payload, out=too_small)])
+
+
 def _damage_chunk(path: Path, item: str, chunk: int) -> tuple[str, int]:
     """Flip one byte of a stored chunk of ``item``; returns the file name and the chunk's position."""
     reader = nvdcp.NvcompReader(path)
