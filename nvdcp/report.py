@@ -101,7 +101,7 @@ class Report:
         the records walked by ``map`` (no Python loop per item): the coordinator runs this over
         every item of the checkpoint, 14 million at 16,384 ranks (docs/SCALE.md).
         """
-        from nvdcp.dcp.metadata_io import gc_paused
+        from nvdcp.dcp.collector import gc_paused
 
         with gc_paused():  # millions of temporary tuples: no collector passes over the heap
             return cls._totals(cls(op, url), metadata)

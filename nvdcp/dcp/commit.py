@@ -35,7 +35,8 @@ import numpy as np
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 
-from nvdcp.dcp.metadata_io import METADATA_NAME, gc_paused
+from nvdcp.dcp.collector import gc_paused
+from nvdcp.dcp.metadata_io import METADATA_NAME
 from nvdcp.dcp.save_guard import DATA_FILE, SaveGuard
 from nvdcp.errors import NvdcpError, StaleSaveError
 from nvdcp.format.delta import DELTA_ATTR

@@ -26,8 +26,6 @@ import pickle
 import pickletools
 import re
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from itertools import chain, compress, cycle, islice, repeat
 from operator import add, attrgetter, itemgetter, le
 from typing import Any
@@ -40,6 +38,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from nvdcp.dcp.collector import gc_paused
 from nvdcp.errors import CorruptCheckpointError, IncompleteCheckpointError, MissingDataFileError
 from nvdcp.storage import Storage
 from nvdcp.storage.base import check_name
@@ -187,25 +186,6 @@ def _collect_now(blocks_before: int, blocks_after: int) -> bool:
     is left to the young passes: a full pass would walk the whole heap for it."""
     added = blocks_after - blocks_before
     return added > COLLECT_ABOVE_SHARE * blocks_after
-
-
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """Run the block with Python's cyclic garbage collector off (restored after, if it was on).
-
-    Unpickling a ``.metadata`` builds millions of small acyclic objects, and the checks over it
-    (and the save report) build temporary tuples by the million; the collector, triggered by
-    those allocations, walks the whole heap again and again: 3-4x the unpickling time at 56k
-    items, and seconds at random points of the checks (docs/SCALE.md). None of it can form a
-    cycle to collect.
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _opcode_table() -> dict[int, tuple[int, int]]:

@@ -262,7 +262,6 @@ class NvcompReader(StorageReader):
         self.metadata = None
         self._file_sizes = {}
 
-    @collector_paused
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         # Stock .metadata pickles pathlib paths (storage_meta.checkpoint_id): admitted, inert.
         metadata = load_any_metadata(self.storage)

@@ -23,7 +23,8 @@ from itertools import groupby
 from operator import add, attrgetter, itemgetter
 from typing import Any
 
-from nvdcp.dcp.metadata_io import METADATA_NAME, gc_paused
+from nvdcp.dcp.collector import gc_paused
+from nvdcp.dcp.metadata_io import METADATA_NAME
 from nvdcp.errors import CorruptCheckpointError, MissingDataFileError, TruncatedCheckpointError
 from nvdcp.storage import Storage
 
