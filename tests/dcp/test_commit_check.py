@@ -205,3 +205,49 @@ def test_metadata_pickles_to_the_same_bytes_as_pickle_dumps() -> None:
     for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
         assert dump_metadata(metadata, protocol) == pickle.dumps(metadata, protocol), protocol
     assert pickle.loads(dump_metadata(metadata, pickle.HIGHEST_PROTOCOL)).storage_data == records
+
+
+def test_equal_sizes_names_and_descriptors_are_pickled_once(tmp_path: Path) -> None:
+    """``share_equal_values`` before pickling: the loaded ``.metadata`` compares equal to DCP's,
+    is smaller, and holds each equal size, file name and descriptor tuple once; no
+    ``TensorProperties`` is shared (a planner may change one item's)."""
+    import pickle
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import nvdcp
+    from nvdcp.dcp.commit import share_equal_values
+    from nvdcp.dcp.metadata_io import load_metadata
+    from nvdcp.storage import open_storage
+
+    state = {f"layer{i}.w": torch.full((8, 4), float(i)) for i in range(50)}
+    state["bias"] = torch.ones(3)
+    dcp.save(state, storage_writer=nvdcp.NvcompWriter(tmp_path))
+    loaded = load_metadata(open_storage(str(tmp_path)))
+    offsets = {id(ix.offset) for ix in loaded.storage_data if ix.fqn != "bias"}
+    assert len(offsets) == 1  # every weight's offset is (0, 0): equal values, one object
+    chunk_sizes = {id(md.chunks[0].sizes) for fqn, md in loaded.state_dict_metadata.items() if fqn != "bias"}
+    assert len(chunk_sizes) == 1
+    assert len({id(info.relative_path) for info in loaded.storage_data.values()}) == 1
+    assert len({id(info.transform_descriptors) for info in loaded.storage_data.values()}) == 1
+    properties = [md.properties for md in loaded.state_dict_metadata.values()]
+    assert len({id(p) for p in properties}) == len(properties)
+
+    # The same Metadata without sharing: equal when loaded, and a larger pickle.
+    unshared = pickle.loads(pickle.dumps(loaded))
+    for md in unshared.state_dict_metadata.values():
+        md.size = torch.Size(list(md.size))
+        for chunk in md.chunks:
+            chunk.offsets, chunk.sizes = torch.Size(list(chunk.offsets)), torch.Size(list(chunk.sizes))
+    plain = pickle.dumps(unshared, pickle.HIGHEST_PROTOCOL)
+    share_equal_values(unshared)
+    shared = pickle.dumps(unshared, pickle.HIGHEST_PROTOCOL)
+    assert len(shared) < len(plain)
+    again = pickle.loads(shared)
+    assert again.state_dict_metadata == loaded.state_dict_metadata
+    assert again.storage_data == loaded.storage_data
+    assert {ix: hash(ix) for ix in again.storage_data} == {ix: hash(ix) for ix in loaded.storage_data}
+    dest = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(dest, storage_reader=nvdcp.NvcompReader(tmp_path))
+    assert all(torch.equal(dest[k], v) for k, v in state.items())
