@@ -858,8 +858,12 @@ class _FileWriter:
                 torch.cuda.current_stream().wait_event(writer._caller_event)
             self.clock = time.perf_counter()
             if self.items:
-                for item, encoded in writer.encoder.encode_items(self._resolved(), _describe_item):
-                    self.write(item, encoded)
+                # small host tensors come as batches (records back to back: one write each)
+                for entry in writer.encoder.encode_items(self._resolved(), _describe_item, batches=True):
+                    if isinstance(entry, RecordBatch):
+                        self.write_batch(entry)
+                    else:
+                        self.write(*entry)
                     self._write_queued(block=False)
                     if self.failed.is_set():
                         raise _SiblingFailed

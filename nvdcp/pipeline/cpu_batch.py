@@ -7,7 +7,9 @@ concatenated, split into byte planes in one native call, each compressed plane's
 the codec in one call (zstd's batch API compresses them without the GIL), the stored chunks are
 gathered into the records in one native call, every chunk and every header is checksummed in one
 call each, and the chunk tables are written as one array. What stays per item is packing the
-header's fixed fields and the record object itself.
+header's fixed fields and, for callers that want them, the record object itself; the writer takes
+a group's records as one :class:`~nvdcp.pipeline.record_batch.RecordBatch` instead
+(:func:`encode_tensor_batches`: records back to back, one write for the group).
 
 The records are byte for byte those of :func:`nvdcp.pipeline.cpu.encode_item` (the same
 layout, codecs, chunking and raw fallback; tests/pipeline/test_cpu_batch.py compares them).
@@ -20,6 +22,7 @@ import functools
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -65,6 +68,7 @@ from nvdcp.pipeline.cpu import (
     split_planes,
 )
 from nvdcp.pipeline.policy import Layout
+from nvdcp.pipeline.record_batch import RecordBatch
 from nvdcp.pipeline.tensors import tensor_to_host_bytes
 from nvdcp.transform import delta as delta_transform
 
@@ -123,16 +127,42 @@ def encode_tensor_batch(
     together (see the module doc). ``dtype_codes[i]``: tensor ``i``'s dtype code;
     ``layout_of(dtype)``: its layout (a CPU codec's); ``threads``: threads a batching codec and
     the checksums may use."""
+    out: list[EncodedItem | None] = [None] * len(tensors)
+    for members, dtype in _by_dtype(tensors):
+        group = _encode_group_arrays([tensors[i] for i in members], dtype_codes[members[0]], layout_of(dtype),
+                                     chunk_bytes, threads)
+        for i, record in zip(members, group.records()):
+            out[i] = record
+    return out  # type: ignore[return-value]
+
+
+@dataclass(frozen=True, slots=True)
+class KeyedRecord:
+    """What a :class:`RecordBatch` of CPU records holds per record: the key it was encoded for."""
+
+    key: Any
+
+
+def encode_tensor_batches(
+    tensors: Sequence[torch.Tensor], keys: Sequence[Any], dtype_codes: Sequence[int],
+    layout_of: Callable[[torch.dtype], Layout], chunk_bytes: int, threads: int = 1,
+) -> list[RecordBatch]:
+    """:func:`encode_tensor_batch`'s records as one :class:`RecordBatch` per dtype, records back
+    to back in one buffer (the same bytes per record); record ``i`` of a batch is ``keys[j]``'s
+    (``batch.jobs[i].key``), in the order the tensors came within each dtype."""
+    batches = []
+    for members, dtype in _by_dtype(tensors):
+        group = _encode_group_arrays([tensors[i] for i in members], dtype_codes[members[0]], layout_of(dtype),
+                                     chunk_bytes, threads)
+        batches.append(group.batch([KeyedRecord(keys[i]) for i in members], chunk_bytes))
+    return batches
+
+
+def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], torch.dtype]]:
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
         by_dtype.setdefault(t.dtype, []).append(i)
-    out: list[EncodedItem | None] = [None] * len(tensors)
-    for dtype, members in by_dtype.items():
-        group = [tensors[i] for i in members]
-        records = _encode_group(group, dtype_codes[members[0]], layout_of(dtype), chunk_bytes, threads)
-        for i, record in zip(members, records):
-            out[i] = record
-    return out  # type: ignore[return-value]
+    return [(members, dtype) for dtype, members in by_dtype.items()]
 
 
 def _planes(tensors: list[torch.Tensor], n_planes: int, plane_bytes: np.ndarray) -> np.ndarray:
@@ -217,11 +247,54 @@ class _Deltas:
     unchanged: list[bool]
 
 
+@dataclass
+class _Group:
+    """One group's records, back to back in ``out``: record ``i`` at ``start[i] .. end[i]``, its
+    header first (``header_bytes[i]``), then chunks ``first_chunk[i] .. first_chunk[i + 1] - 1``
+    at ``chunk_dst``."""
+
+    out: np.ndarray  # uint8
+    fields: list[HeaderFields]
+    start: np.ndarray  # int64 per record
+    end: np.ndarray  # int64 per record
+    header_bytes: np.ndarray  # int64 per record
+    chunk_dst: np.ndarray  # int64 per chunk
+    table: np.ndarray  # (chunks, 2) uint32
+    first_chunk: np.ndarray  # int64, one more than records
+    header_crcs: np.ndarray  # uint32 per record
+    deltas: _Deltas | None
+
+    def records(self) -> list[EncodedItem]:
+        """One :class:`EncodedItem` per record (their chunks and ``record`` view ``out``)."""
+        view = self.out.data
+        deltas = self.deltas
+        records = []
+        for i, (f, at, size, end, c0, c1, crc) in enumerate(zip(
+            self.fields, self.start.tolist(), self.header_bytes.tolist(), self.end.tolist(),
+            self.first_chunk[:-1].tolist(), self.first_chunk[1:].tolist(), self.header_crcs.tolist(),
+        )):
+            records.append(EncodedItem(header_of(f, self.table[c0:c1], size, crc), bytes(view[at : at + size]),
+                                       [view[at + size : end]], unchanged=deltas is not None and deltas.unchanged[i],
+                                       record=view[at:end]))
+        return records
+
+    def batch(self, jobs: Sequence[Any], chunk_bytes: int) -> RecordBatch:
+        """The records as one batch (no object per record)."""
+        return RecordBatch(jobs, self.fields, self.out, self.start, self.header_crcs, self.out.data, self.chunk_dst,
+                           self.table, self.first_chunk, chunk_bytes, header_sizes=self.header_bytes)
+
+
 def _encode_group(tensors: list[torch.Tensor], dtype_code: int, layout: Layout, cb: int, threads: int,
                   deltas: _Deltas | None = None, shapes: list[tuple[int, ...]] | None = None) -> list[EncodedItem]:
     """Records of ``tensors`` (one dtype); with ``deltas``, ``tensors`` are the items'
     differences from their bases (uint8, as :func:`~nvdcp.transform.delta.encode_np` makes
     them) and ``shapes`` the items' shapes."""
+    return _encode_group_arrays(tensors, dtype_code, layout, cb, threads, deltas, shapes).records()
+
+
+def _encode_group_arrays(tensors: list[torch.Tensor], dtype_code: int, layout: Layout, cb: int, threads: int,
+                         deltas: _Deltas | None = None, shapes: list[tuple[int, ...]] | None = None) -> _Group:
+    """:func:`_encode_group`'s records as arrays."""
     element_size = tensors[0].element_size() if deltas is None else _element_size(dtype_code)
     n_planes = element_size if layout.transform == TRANSFORM_BYTEPLANES else 1
     ids = layout_codec_ids(layout.plane_codecs)
@@ -257,17 +330,7 @@ def _encode_group(tensors: list[torch.Tensor], dtype_code: int, layout: Layout, 
     table[:, 0] = chunks.stored
     table[:, 1] = checksum_ranges(out, chunk_dst, chunks.stored, threads)
     header_crcs = pack_headers_into(out, start, fields, table_at, header_bytes, table, first_chunk, threads)
-    view = out.data
-
-    records = []
-    for i, (f, at, size, end, c0, c1, crc) in enumerate(zip(
-        fields, start.tolist(), header_bytes.tolist(), record_off[1:].tolist(), first_chunk[:-1].tolist(),
-        first_chunk[1:].tolist(), header_crcs.tolist(),
-    )):
-        records.append(EncodedItem(header_of(f, table[c0:c1], size, crc), bytes(view[at : at + size]),
-                                   [view[at + size : end]], unchanged=deltas is not None and deltas.unchanged[i],
-                                   record=view[at:end]))
-    return records
+    return _Group(out, fields, start, record_off[1:], header_bytes, chunk_dst, table, first_chunk, header_crcs, deltas)
 
 
 def encode_delta_batch(

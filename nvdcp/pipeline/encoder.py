@@ -24,7 +24,7 @@ import io
 import threading
 from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
 import torch
@@ -36,9 +36,10 @@ from nvdcp.gpu import gpu_available
 from nvdcp.gpu.config import GpuConfig
 from nvdcp.pipeline.config import EncodeConfig
 from nvdcp.pipeline.cpu import EncodedItem, encode_item
-from nvdcp.pipeline.cpu_batch import encode_delta_batch, encode_tensor_batch
+from nvdcp.pipeline.cpu_batch import encode_delta_batch, encode_tensor_batch, encode_tensor_batches
 from nvdcp.pipeline.delta import DeltaInput, DeltaTensor
 from nvdcp.pipeline.policy import GPU_AUTO_CODEC, choose_delta_layout, choose_layout
+from nvdcp.pipeline.record_batch import RecordBatch
 from nvdcp.pipeline.tensors import flat_bytes, plain, tensor_to_host_bytes
 from nvdcp.transform import delta as delta_transform
 
@@ -278,12 +279,28 @@ class ItemEncoder:
                 self._idle.setdefault(key, []).append(encoder)
 
     # -- whole sets of items -------------------------------------------------------------------
+    @overload
     def encode_items(
         self, items: Iterable[tuple[Any, ItemData]], describe: Callable[[Any], str], shares: int = 1,
-    ) -> Iterator[tuple[Any, EncodedItem]]:
-        """Encode ``(key, data)`` pairs; yields ``(key, record)``.
+        batches: Literal[False] = False,
+    ) -> Iterator[tuple[Any, EncodedItem]]: ...
 
-        CPU items are yielded in order. Small ones (under ``SMALL_ITEM_BYTES``) are encoded in
+    @overload
+    def encode_items(
+        self, items: Iterable[tuple[Any, ItemData]], describe: Callable[[Any], str], shares: int = 1, *,
+        batches: Literal[True],
+    ) -> Iterator[tuple[Any, EncodedItem] | RecordBatch]: ...
+
+    def encode_items(
+        self, items: Iterable[tuple[Any, ItemData]], describe: Callable[[Any], str], shares: int = 1,
+        batches: bool = False,
+    ) -> Iterator[tuple[Any, EncodedItem] | RecordBatch]:
+        """Encode ``(key, data)`` pairs; yields ``(key, record)``; with ``batches``, a batch of
+        small host tensors stored whole comes as :class:`RecordBatch` objects instead (one per dtype;
+        ``batch.jobs[i].key`` is record ``i``'s key).
+
+        CPU items are yielded in order (the records of a batch of small ones by dtype when they
+        come as record batches). Small ones (under ``SMALL_ITEM_BYTES``) are encoded in
         batches, one task of the codec pool per batch, at most ``SMALL_ITEM_THREADS`` batches
         of this encoder running at once, while the caller writes the records of the batches
         before. Larger items split their own blocks over the codec pool. GPU items are
@@ -294,8 +311,9 @@ class ItemEncoder:
         """
         gpu_ok = gpu_available()
         jobs: list[GpuJob] = []
-        batches = _CpuBatches(self.codec_pool(), 2 * SMALL_ITEM_THREADS, self._small_gate,
-                              functools.partial(self._encode_small, describe=describe))
+        encode_small = self._encode_small_batches if batches else self._encode_small
+        small = _CpuBatches(self.codec_pool(), 2 * SMALL_ITEM_THREADS, self._small_gate,
+                            functools.partial(encode_small, describe=describe), batches)
         try:
             for key, data in items:
                 tensor = data.tensor if isinstance(data, DeltaTensor) else data
@@ -304,16 +322,39 @@ class ItemEncoder:
                     continue
                 nbytes = _nbytes(data)
                 if nbytes < SMALL_ITEM_BYTES:
-                    yield from batches.add(key, data, nbytes)
+                    yield from small.add(key, data, nbytes)
                     continue
-                yield from batches.drain()
+                yield from small.drain()
                 yield key, self._encode_cpu(data, key, describe, self.codec_pool())
-            yield from batches.drain()
+            yield from small.drain()
         finally:
-            batches.close()  # on an error, no task may still read the items (staged buffers go back)
+            small.close()  # on an error, no task may still read the items (staged buffers go back)
         if jobs:
             for job, encoded in self.encode_gpu_jobs(jobs, shares):
                 yield job.key, encoded
+
+    def _encode_small_batches(self, keys: list[Any], datas: list[ItemData], describe: Callable[[Any], str],
+                              ) -> list[tuple[Any, EncodedItem] | RecordBatch]:
+        """:meth:`_encode_small` for a caller that takes record batches: plain host tensors
+        come as batches (:func:`~nvdcp.pipeline.cpu_batch.encode_tensor_batches`), the rest
+        (byte blobs, deltas, GPU-only codecs) as ``(key, record)``."""
+        plain = [] if self.config.gpu_only else [
+            i for i, d in enumerate(datas) if isinstance(d, torch.Tensor) and d.device.type == "cpu"
+        ]
+        out: list[tuple[Any, EncodedItem] | RecordBatch] = []
+        if plain:
+            tensors: list[torch.Tensor] = [datas[i] for i in plain]  # type: ignore[misc]
+            plain_keys = [keys[i] for i in plain]
+            out += encode_tensor_batches(
+                tensors, plain_keys, _dtype_codes(tensors, plain_keys, describe),
+                functools.partial(choose_layout, codec=self.config.codec), self.config.chunk_bytes, self.config.threads,
+            )
+        if len(plain) < len(datas):
+            taken = set(plain)
+            rest = [i for i in range(len(datas)) if i not in taken]
+            rest_keys = [keys[i] for i in rest]
+            out += zip(rest_keys, self._encode_small(rest_keys, [datas[i] for i in rest], describe))
+        return out
 
     def _encode_small(self, keys: list[Any], datas: list[ItemData], describe: Callable[[Any], str]) -> list[EncodedItem]:
         """One batch of small items (on a codec thread): host tensors are encoded together
@@ -422,12 +463,13 @@ def _nbytes(data: ItemData) -> int:
     return memoryview(data).nbytes  # type: ignore[arg-type]  # numpy arrays are buffers
 
 
-#: Encodes one batch of small items: ``(keys, datas) -> records``, in order.
-BatchEncode = Callable[[list[Any], list[ItemData]], list[EncodedItem]]
+#: Encodes one batch of small items: ``(keys, datas) -> records``, in order; or, for a caller
+#: that takes record batches, ``(key, record)`` pairs and batches.
+BatchEncode = Callable[[list[Any], list[ItemData]], list[Any]]
 
 
 def _run_batch(encode: BatchEncode, keys: list[Any], datas: list[ItemData],
-               gate: threading.BoundedSemaphore) -> list[EncodedItem]:
+               gate: threading.BoundedSemaphore) -> list[Any]:
     with gate:  # a pool thread waiting here holds no GIL; the batch holding the gate needs nothing else
         return encode(keys, datas)
 
@@ -437,17 +479,18 @@ class _CpuBatches:
     flight at most, their records handed back in the order the items came."""
 
     def __init__(self, pool: ThreadPoolExecutor, window: int, gate: threading.BoundedSemaphore,
-                 encode: BatchEncode) -> None:
+                 encode: BatchEncode, entries: bool = False) -> None:
         self.pool = pool
+        self.entries = entries  # encode returns entries (pairs and batches), not records
         self.window = max(1, window)
         self.gate = gate
         self.encode = encode
         self.keys: list[Any] = []
         self.datas: list[ItemData] = []
         self.nbytes = 0
-        self.pending: list[tuple[list[Any], Future[list[EncodedItem]]]] = []
+        self.pending: list[tuple[list[Any], Future[list[Any]]]] = []
 
-    def add(self, key: Any, data: ItemData, nbytes: int) -> Iterator[tuple[Any, EncodedItem]]:
+    def add(self, key: Any, data: ItemData, nbytes: int) -> Iterator[tuple[Any, EncodedItem] | RecordBatch]:
         """Queue one item; yields the records of batches done while the window is full."""
         self.keys.append(key)
         self.datas.append(data)
@@ -457,7 +500,7 @@ class _CpuBatches:
             while len(self.pending) > self.window:
                 yield from self._pop()
 
-    def drain(self) -> Iterator[tuple[Any, EncodedItem]]:
+    def drain(self) -> Iterator[tuple[Any, EncodedItem] | RecordBatch]:
         """Yield every queued item's record, in order."""
         self._submit()
         while self.pending:
@@ -476,9 +519,12 @@ class _CpuBatches:
             self.pending.append((self.keys, self.pool.submit(_run_batch, self.encode, self.keys, self.datas, self.gate)))
             self.keys, self.datas, self.nbytes = [], [], 0
 
-    def _pop(self) -> Iterator[tuple[Any, EncodedItem]]:
+    def _pop(self) -> Iterator[tuple[Any, EncodedItem] | RecordBatch]:
         keys, future = self.pending.pop(0)
-        yield from zip(keys, future.result())
+        if self.entries:
+            yield from future.result()
+        else:
+            yield from zip(keys, future.result())
 
 
 def descriptor_codec(encoded: EncodedItem) -> str:

@@ -101,6 +101,10 @@ class _Stream:
     def write_gather(self, gather: Any) -> None:
         self.writelines(gather)
 
+    def write_spans(self, head: Any, spans: Any, parallel: bool = True) -> None:
+        self.write(head)  # byte by byte through the stop point, as WriteStream.write_spans does
+        self.writelines(spans)
+
     def tell(self) -> int:
         return self.inner.tell()
 

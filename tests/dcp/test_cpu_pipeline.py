@@ -273,3 +273,42 @@ def test_small_deltas_encode_together_and_load_bit_exact(tmp_path: Path, monkeyp
         back = empty_like_sd(expected)
         load(back, tmp_path / f"s{step}")
         _check(expected, back)
+
+
+@pytest.mark.parametrize("thread_count", [1, 3])
+def test_small_host_tensors_reach_the_files_as_record_batches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, thread_count: int
+) -> None:
+    """Small host tensors stored whole are written a batch at a time (records back to back, one
+    write and one loop of WriteResults each); a large tensor and a bytes item one by one; all of
+    it loads bit-exact."""
+    from nvdcp.dcp import writer as writer_module
+
+    batched: list[int] = []
+    single: list[str] = []
+    write_batch, write = writer_module._FileWriter.write_batch, writer_module._FileWriter.write
+
+    def counting_batch(self: Any, batch: Any) -> None:
+        batched.append(len(batch))
+        write_batch(self, batch)
+
+    def counting_write(self: Any, item: Any, encoded: Any, borrowed: bool = False) -> None:
+        single.append(item.index.fqn)
+        write(self, item, encoded, borrowed)
+
+    monkeypatch.setattr(writer_module._FileWriter, "write_batch", counting_batch)
+    monkeypatch.setattr(writer_module._FileWriter, "write", counting_write)
+    sd: dict[str, Any] = {f"small{i}": random_tensor(torch.bfloat16 if i % 3 else torch.float32, (64, 9 + i), seed=i)
+                          for i in range(300)}
+    sd["large"] = weights_like((1100, 1024), seed=7)  # over the small-item size: encoded alone
+    sd["blob"] = io.BytesIO(b"not a tensor")
+    save(sd, tmp_path, thread_count=thread_count)
+    assert sum(batched) == 300
+    assert sorted(single) == ["blob", "large"]
+    out = empty_like_sd(sd)
+    load(out, tmp_path)
+    for key, value in sd.items():
+        if key == "blob":
+            assert out[key].getvalue() == b"not a tensor"
+        else:
+            assert bit_equal(out[key], value), key

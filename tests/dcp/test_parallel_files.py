@@ -247,15 +247,15 @@ def test_a_failing_gpu_encode_fails_the_save_without_hanging(tmp_path: Path) -> 
 
 def test_a_failing_cpu_item_fails_the_save_without_hanging(tmp_path: Path) -> None:
     enc = FakeGpu(per_bucket=2)
-    original = enc._encode_small  # the CPU items here are small: encoded in batches
+    original = enc._encode_small_batches  # the CPU items here are small: encoded in batches
 
-    def boom(keys: list[Any], datas: list[Any], describe: Any) -> list[EncodedItem]:
+    def boom(keys: list[Any], datas: list[Any], describe: Any) -> list[Any]:
         for key in keys:
             if describe(key).endswith(" c2"):
                 raise ValueError(f"{describe(key)}: cannot encode")
         return original(keys, datas, describe)
 
-    enc._encode_small = boom  # type: ignore[method-assign]
+    enc._encode_small_batches = boom  # type: ignore[method-assign]
     try:
         with pytest.raises(BaseException) as info:
             _save(_state(n_gpu=8), tmp_path, enc, thread_count=3)

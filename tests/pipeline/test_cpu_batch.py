@@ -72,6 +72,51 @@ def test_batch_records_equal_encode_item(codec: str, chunk_bytes: int, threads: 
         assert np.array_equal(raw, tensor_to_host_bytes(t))
 
 
+@pytest.mark.parametrize("chunk_bytes", [DEFAULT_CHUNK_BYTES, 4096])
+def test_record_batches_hold_the_same_records_back_to_back(chunk_bytes: int) -> None:
+    """``encode_tensor_batches``: one batch per dtype, each record the bytes ``encode_item``
+    makes, the batch's gather the records in order, its keys and digests per record."""
+    from nvdcp.format.digest import digest_of_record_header
+
+    tensors = _mixed()
+    keys = [f"k{i}" for i in range(len(tensors))]
+    layout_of = functools.partial(choose_layout, codec="zstd")
+    codes = [dtype_code(t.dtype) for t in tensors]
+    batches = cpu_batch.encode_tensor_batches(tensors, keys, codes, layout_of, chunk_bytes, 2)
+    assert len(batches) == len({t.dtype for t in tensors})
+    seen = []
+    for batch in batches:
+        gathered = b"".join(bytes(piece) for piece in batch.gather())
+        expected = b""
+        for i in range(len(batch)):
+            key = batch.jobs[i].key
+            seen.append(key)
+            record = _reference(tensors[keys.index(key)], "zstd", chunk_bytes)
+            expected += record
+            size = int(batch.header_sizes[i])
+            assert int(batch.digests[i]) == digest_of_record_header(record[:size]), key
+        assert gathered == expected
+        assert batch.nbytes == len(expected)
+        assert [len(r) for r in _split(expected, batch.record_nbytes.tolist())] == batch.record_nbytes.tolist()
+        # per-record objects, where a caller needs them, hold the same bytes
+        for job, encoded in batch.items():
+            assert encoded.header_bytes + b"".join(bytes(c) for c in encoded.chunks) == _reference(
+                tensors[keys.index(job.key)], "zstd", chunk_bytes)
+        # a part is records lo..hi-1
+        if len(batch) >= 2:
+            part = batch.part(1, len(batch))
+            assert b"".join(bytes(p) for p in part.gather()) == expected[int(batch.record_nbytes[0]):]
+    assert sorted(seen) == sorted(keys)
+
+
+def _split(blob: bytes, sizes: list[int]) -> list[bytes]:
+    out, at = [], 0
+    for n in sizes:
+        out.append(blob[at : at + n])
+        at += n
+    return out
+
+
 def test_batch_of_one_dtype_and_empty_batch_members() -> None:
     tensors = [torch.zeros(0), torch.zeros(0, 3)]
     records = cpu_batch.encode_tensor_batch(tensors, [dtype_code(torch.float32)] * 2,
