@@ -8,6 +8,7 @@ Run on the H200 device machine (DEVELOPERS.md); skipped without CUDA, nvidia-nvc
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -98,7 +99,7 @@ def test_round_trip_through_many_buckets_and_passes(tmp_path: Path, thread_count
 
 
 def test_decode_many_writes_straight_into_out(tmp_path: Path) -> None:
-    from nvdcp.gpu.decoder import DecodeRequest, GpuDecoder
+    from nvdcp.gpu.decoder import GpuDecoder
 
     enc = ItemEncoder(EncodeConfig(codec="auto"), GpuConfig(gpu_memory_bytes=64 * MiB))
     sd = {f"t{i}": weights_like((512, 700 + i), seed=i).to(CUDA) for i in range(5)}
@@ -107,13 +108,23 @@ def test_decode_many_writes_straight_into_out(tmp_path: Path) -> None:
     finally:
         enc.close()
     decoder = GpuDecoder(CUDA, budget_bytes=6 * MiB, pinned_bytes=8 * MiB)  # several passes per item
+    _check_decoded_into_destinations(decoder, records, sd, flat_bytes=True)
+
+
+def _check_decoded_into_destinations(decoder: Any, records: dict[str, bytes], sd: dict[str, torch.Tensor],
+                                     flat_bytes: bool) -> None:
+    """Decode every record into a zeroed tensor like its item (given as flat bytes, or as the
+    tensor itself): the outputs are those tensors, bit-equal to the items."""
+    from nvdcp.gpu.decoder import DecodeRequest
+
     requests, dests = [], []
     for key, rec in records.items():
         header = parse_item_header_only(memoryview(rec), key)
         dest = torch.zeros_like(sd[key])
         dests.append(dest)
         payload = np.frombuffer(rec, dtype=np.uint8)[header.header_bytes :]
-        requests.append(DecodeRequest(header, torch.float32, key, payload=payload, out=dest.view(-1).view(torch.uint8)))
+        out = dest.view(-1).view(torch.uint8) if flat_bytes else dest
+        requests.append(DecodeRequest(header, sd[key].dtype, key, payload=payload, out=out))
     outs = decoder.decode_many(requests)
     for out, dest, key in zip(outs, dests, records):
         assert out.data_ptr() == dest.data_ptr()
@@ -141,17 +152,7 @@ def test_decode_many_writes_into_destinations_of_any_dtype_and_shape(fused: bool
     if not fused:
         decoder.fused = False  # as with NVDCP_GPU_MERGE=0 (merge_available() is cached)
     assert decoder.fused == fused
-    requests, dests = [], []
-    for key, rec in records.items():
-        header = parse_item_header_only(memoryview(rec), key)
-        dest = torch.zeros_like(sd[key])
-        dests.append(dest)
-        payload = np.frombuffer(rec, dtype=np.uint8)[header.header_bytes :]
-        requests.append(DecodeRequest(header, sd[key].dtype, key, payload=payload, out=dest))
-    outs = decoder.decode_many(requests)
-    for out, dest, key in zip(outs, dests, records):
-        assert out.data_ptr() == dest.data_ptr()
-        assert bit_equal(dest.cpu(), sd[key].cpu()), key
+    _check_decoded_into_destinations(decoder, records, sd, flat_bytes=False)
     header = parse_item_header_only(memoryview(records["bf16"]), "bf16")
     payload = np.frombuffer(records["bf16"], dtype=np.uint8)[header.header_bytes :]
     too_small = torch.zeros(300, 69, dtype=torch.bfloat16, device=CUDA)
