@@ -1561,7 +1561,7 @@ def _decodes_into(target: torch.Tensor, dtype: torch.dtype | None, shape: tuple[
         return False
     if target.shape != shape or not target.is_contiguous():
         return False
-    return not (dtype.is_complex and (target.is_conj() or target.is_neg()))
+    return not (target.is_conj() or target.is_neg())  # a lazy view: its memory is not its values
 
 
 @dataclasses.dataclass
