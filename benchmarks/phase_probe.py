@@ -100,7 +100,10 @@ TARGETS = [
     "nvdcp.dcp.reader:NvcompReader.set_up_storage_reader",
     "nvdcp.dcp.reader:NvcompReader.prepare_local_plan",
     "nvdcp.dcp.reader:NvcompReader.read_data",
-    "nvdcp.dcp.reader:NvcompReader._decode_device",
+    "nvdcp.dcp.reader:NvcompReader._decode_device",  # before session 17
+    "nvdcp.dcp.reader:NvcompReader._classify",
+    "nvdcp.dcp.reader:NvcompReader._decode_devices",
+    "nvdcp.dcp.reader:NvcompReader._whole_on_gpu",
     "nvdcp.dcp.reader:NvcompReader._gpu_batches",
     "nvdcp.dcp.reader:NvcompReader._fetch_and_decode",
     "nvdcp.dcp.reader:NvcompReader._load_gpu_batch",

@@ -24,7 +24,6 @@ import logging
 import os
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future as PyFuture
 from concurrent.futures import ThreadPoolExecutor
@@ -768,17 +767,9 @@ class NvcompReader(StorageReader):
         by_item: dict[MetadataIndex, list[ReadItem]] = {}
         for req in plan.items:
             by_item.setdefault(req.storage_index, []).append(req)
-        records = {index: self._record(index) for index in by_item}
-        stock = {ix for ix, info in records.items() if not is_nvdcp_record(info)}
-        # Delta items are rebuilt from their base chains (_delta_loads) while the others load
-        deltas = [ix for ix, info in records.items() if descriptor.is_delta(info)]
+        records, stock, deltas = self._classify(by_item)
         delta_set = set(deltas)
-        if gpu_available():
-            devices = {
-                index: None if index in stock else self._decode_device(reqs, planner) for index, reqs in by_item.items()
-            }
-        else:
-            devices = dict.fromkeys(by_item)
+        devices, gpu_targets = self._decode_devices(by_item, stock, planner)
         # Read in file order so a local disk sees sequential-ish access.
         order = sorted(
             (ix for ix in by_item if ix not in delta_set), key=lambda ix: (records[ix].relative_path, records[ix].offset)
@@ -807,7 +798,8 @@ class NvcompReader(StorageReader):
             )
             try:
                 loads = self._fetch_and_decode(
-                    order, devices, stock, report, destination, cpu=_CpuPlan(by_item, records, planner), gpu_slots=gpu_slots
+                    order, devices, stock, report, destination, cpu=_CpuPlan(by_item, records, planner),
+                    gpu_slots=gpu_slots, gpu_targets=gpu_targets,
                 )
                 for index, header, data in itertools.chain(rebuilt.interleave(loads), rebuilt.rest()):
                     self._commit_loaded(by_item[index], header, data, planner)
@@ -892,30 +884,75 @@ class NvcompReader(StorageReader):
             return None, None
         return None, None
 
-    def _decode_device(self, reqs: list[ReadItem], planner: LoadPlanner) -> torch.device | None:
-        """Where to decode a stored item: a CUDA device, or None for the CPU path."""
-        if not gpu_available() or reqs[0].type == LoadItemType.BYTE_IO:
+    def _classify(self, by_item: dict[MetadataIndex, list[ReadItem]]
+                  ) -> tuple[dict[MetadataIndex, _StorageInfo], set[MetadataIndex], list[MetadataIndex]]:
+        """Each item's storage record; the stock items; the delta items (rebuilt from their base
+        chains by :meth:`_delta_loads` while the others load). One pass, each distinct descriptor
+        tuple judged once (a save's items share one or two)."""
+        records: dict[MetadataIndex, _StorageInfo] = {}
+        stock: set[MetadataIndex] = set()
+        deltas: list[MetadataIndex] = []
+        kinds: dict[Any, tuple[bool, bool]] = {}
+        for index in by_item:
+            info = records[index] = self._record(index)
+            try:
+                kind = kinds[info.transform_descriptors]
+            except KeyError:
+                kind = kinds[info.transform_descriptors] = (is_nvdcp_record(info), descriptor.is_delta(info))
+            except TypeError:  # unhashable: judged alone
+                kind = (is_nvdcp_record(info), descriptor.is_delta(info))
+            if not kind[0]:
+                stock.add(index)
+            elif kind[1]:
+                deltas.append(index)
+        return records, stock, deltas
+
+    def _decode_devices(
+        self, by_item: dict[MetadataIndex, list[ReadItem]], stock: set[MetadataIndex], planner: LoadPlanner
+    ) -> tuple[dict[MetadataIndex, torch.device | None], dict[MetadataIndex, tuple[torch.Tensor, int]]]:
+        """Where each item decodes (a CUDA device, or None: the CPU path), and the GPU tensors
+        that items are decoded straight into, with their sizes (see :meth:`_whole_on_gpu`).
+
+        Destinations are resolved here, on the calling thread before any I/O thread runs: torch
+        calls on the I/O threads wait on the GIL behind the others (measured on the H200: a third
+        of a small-tensor load in one reshape/view per item)."""
+        devices: dict[MetadataIndex, torch.device | None] = dict.fromkeys(by_item)
+        found: dict[MetadataIndex, tuple[torch.Tensor, int]] = {}
+        if not gpu_available():
+            return devices, found
+        mode = self.gpu.decode_device
+        host_bound_device: torch.device | None = None  # where items bound for host memory decode
+        for index, reqs in by_item.items():
+            req = reqs[0]
+            if index in stock or req.type == LoadItemType.BYTE_IO:
+                continue
+            target = planner.resolve_tensor(req)
+            if target.is_cuda:
+                devices[index] = target.device
+                whole = self._whole_on_gpu(reqs, target)
+                if whole is not None:
+                    found[index] = whole
+            elif mode == "cpu" or (mode == "auto" and _host_decodes_faster(self._record(index))):
+                continue
+            else:
+                if host_bound_device is None:
+                    host_bound_device = torch.device("cuda", torch.cuda.current_device())
+                devices[index] = host_bound_device
+        return devices, found
+
+    def _whole_on_gpu(self, reqs: list[ReadItem], target: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+        """``(tensor, nbytes)`` when one request wants the whole stored tensor and the planner's
+        CUDA ``target`` can take the decoded bytes as they are (:func:`_decodes_into`)."""
+        if len(reqs) != 1:
             return None
-        target = planner.resolve_tensor(reqs[0])
-        targets = _GPU_TARGETS.setdefault(self, {})
-        targets.pop(reqs[0].storage_index, None)
-        if target.is_cuda:
-            # One request for the whole stored tensor: decode straight into it (see _gpu_batches).
-            # It is checked here, on the calling thread before any I/O thread runs: torch calls
-            # on the I/O threads wait on the GIL behind the others (measured on the H200: a third
-            # of a small-tensor load in one reshape/view per item).
-            dtype, shape = self.expected(reqs[0].storage_index)
-            if len(reqs) == 1 and shape is not None and not any(reqs[0].storage_offsets) \
-                    and tuple(reqs[0].lengths) == shape:
-                whole = target.detach() if target.requires_grad else target
-                if _decodes_into(whole, dtype, shape):
-                    targets[reqs[0].storage_index] = (whole, tensor_nbytes(shape, whole.dtype))
-            return target.device
-        if self.gpu.decode_device == "cpu" or (
-            self.gpu.decode_device == "auto" and _host_decodes_faster(self._record(reqs[0].storage_index))
-        ):
+        req = reqs[0]
+        dtype, shape = self.expected(req.storage_index)
+        if shape is None or any(req.storage_offsets) or tuple(req.lengths) != shape:
             return None
-        return torch.device("cuda", torch.cuda.current_device())
+        whole = target.detach() if target.requires_grad else target
+        if not _decodes_into(whole, dtype, shape):
+            return None
+        return whole, whole.nbytes
 
     @property
     def gpu_threads(self) -> int:
@@ -1116,15 +1153,14 @@ class NvcompReader(StorageReader):
         return fill
 
     def _gpu_batches(
-        self, order: list[MetadataIndex], devices: dict[MetadataIndex, torch.device | None]
+        self, order: list[MetadataIndex], devices: dict[MetadataIndex, torch.device | None],
+        found: dict[MetadataIndex, tuple[torch.Tensor, int]],
     ) -> list[tuple[torch.device, list[MetadataIndex]]]:
         """Group GPU-decoded items into batches whose stored size fits half a thread's budget,
-        and is at most a ``gpu_threads``-th of the device's items (:func:`_batched`)."""
+        at least one per GPU thread when the load is big enough (:func:`_batched`). Destinations
+        :meth:`_decode_devices` ``found`` for whole tensors ride with their batch."""
         budget = self._per_device(devices, order, lambda device: self.gpu.gpu_budget(device, load=True) // (2 * self.gpu_threads))
         batches = _batched([(ix, devices[ix], self._place(ix)[2]) for ix in order], budget, self.gpu_threads)
-        # Destinations _decode_device found for whole tensors ride with their batch (and are
-        # forgotten here: a later load never sees them).
-        found = _GPU_TARGETS.pop(self, {})
         return [(device, _GpuBatch(items, [found.get(ix) for ix in items])) for device, items in batches]
 
     @staticmethod
@@ -1171,6 +1207,7 @@ class NvcompReader(StorageReader):
         stock: set[MetadataIndex], report: Report,
         destination: Callable[[MetadataIndex], torch.Tensor | None] = lambda index: None,
         cpu: _CpuPlan | None = None, gpu_slots: threading.BoundedSemaphore | None = None,
+        gpu_targets: dict[MetadataIndex, tuple[torch.Tensor, int]] | None = None,
     ) -> Iterator[tuple[MetadataIndex, ItemHeader | None, Any]]:
         """Run batch loads (CPU nvdcp items, stock items, GPU batches) on the I/O pool, a bounded
         window ahead. A stock item comes with header None and a :class:`_StockLoaded`; its
@@ -1206,7 +1243,8 @@ class NvcompReader(StorageReader):
                 for item in task.items:
                     cpu.resolve(item)
         gpu_slots = gpu_slots or threading.BoundedSemaphore(self.gpu_threads)
-        for device, batch in self._gpu_batches([ix for ix in order if devices[ix] is not None], devices):
+        on_gpu = [ix for ix in order if devices[ix] is not None]
+        for device, batch in self._gpu_batches(on_gpu, devices, gpu_targets or {}):
             tasks.append(functools.partial(_holding, gpu_slots, self._load_gpu_batch, batch, device, report))
         window = READ_WINDOW_PER_THREAD * self.thread_count
         with ThreadPoolExecutor(self.thread_count, thread_name_prefix="nvdcp-read") as io_pool:
@@ -1533,12 +1571,6 @@ class _GpuBatch(list):  # type: ignore[type-arg]
         self.targets = targets
 
 
-#: Per reader: whole-tensor GPU destinations found by ``_decode_device`` for the current read_data.
-_GPU_TARGETS: weakref.WeakKeyDictionary[NvcompReader, dict[MetadataIndex, tuple[torch.Tensor, int]]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
 #: ``decode_device="auto"``: records bound for host memory up to this size, stored with a CPU
 #: codec (zstd, none), decode on the CPU, where a batch of them is decoded in arrays
 #: (nvdcp/pipeline/cpu_batch.py). H200 host, 20,000 CPU tensors of 4 KiB-1 MiB, load on /dev/shm:
@@ -1830,26 +1862,46 @@ MIN_GPU_BATCH_BYTES = 32 << 20
 
 def _batched(items: list[tuple[MetadataIndex, torch.device | None, int]], budget: dict[torch.device, int],
              threads: int) -> list[tuple[torch.device, list[MetadataIndex]]]:
-    """Cut ``(index, device, size)`` rows, in order, into batches per device of at most that
-    device's ``budget`` bytes, at most ``MAX_GPU_BATCH_ITEMS`` items, and at most an even
-    ``threads``-th of the device's total (at least ``MIN_GPU_BATCH_BYTES``): every GPU thread
-    gets a batch however small the load. An item larger than the limit is a batch alone."""
-    totals: dict[torch.device, int] = {}
+    """Cut ``(index, device, size)`` rows, in order, into batches per device of even items and
+    bytes: as few as hold at most that device's ``budget`` bytes and ``MAX_GPU_BATCH_ITEMS``
+    items each, but ``threads`` of them when the device's bytes allow (not below
+    ``MIN_GPU_BATCH_BYTES``) so that every GPU thread gets one however small the load, and a
+    multiple of ``threads`` beyond that, so no batch decodes alone at the end while the other
+    threads idle (20,000 small items were 4 full batches and a tail of 3,616). An item larger
+    than the budget is a batch alone."""
+    totals: dict[torch.device, list[int]] = {}
     for _, device, size in items:
         assert device is not None
-        totals[device] = totals.get(device, 0) + size
-    limits = {d: min(budget[d], max(MIN_GPU_BATCH_BYTES, -(-total // max(1, threads)))) for d, total in totals.items()}
+        total = totals.setdefault(device, [0, 0])
+        total[0] += size
+        total[1] += 1
+    shares = {device: _batch_share(nbytes, count, budget[device], threads) for device, (nbytes, count) in totals.items()}
     batches: list[tuple[torch.device, list[MetadataIndex]]] = []
-    open_: dict[torch.device, tuple[list[MetadataIndex], list[int]]] = {}
+    open_: dict[torch.device, list[Any]] = {}  # device: [members, bytes, bytes before them, batches cut]
     for index, device, size in items:
         assert device is not None
-        members, used = open_.setdefault(device, ([], [0]))
-        if members and (used[0] + size > limits[device] or len(members) >= MAX_GPU_BATCH_ITEMS):
+        state = open_.setdefault(device, [[], 0, 0, 0])
+        members, used, before, cut = state
+        wanted, byte_goal, item_cap = shares[device]
+        # cut at an even share of the items, or where the item's middle passes the next even
+        # share of the bytes; the last batch takes what is left (no sliver of a batch after it)
+        if members and (used + size > budget[device] or len(members) >= MAX_GPU_BATCH_ITEMS or cut + 1 < wanted and (
+                len(members) >= item_cap or before + used + size / 2 > (cut + 1) * byte_goal)):
             batches.append((device, members))
-            members, used = open_[device] = ([], [0])
+            state[:] = members, used, before, cut = [], 0, before + used, cut + 1
         members.append(index)
-        used[0] += size
-    return batches + [(device, members) for device, (members, _) in open_.items() if members]
+        state[1] = used + size
+    return batches + [(device, state[0]) for device, state in open_.items() if state[0]]
+
+
+def _batch_share(nbytes: int, count: int, budget: int, threads: int) -> tuple[int, float, int]:
+    """(how many, bytes of one, items of one) of :func:`_batched`'s even batches of a device's ``count`` items
+    of ``nbytes`` bytes."""
+    needed = max(-(-count // MAX_GPU_BATCH_ITEMS), -(-nbytes // max(1, budget)))
+    wanted = max(needed, min(max(1, threads), -(-nbytes // MIN_GPU_BATCH_BYTES)))
+    if wanted > threads > 0:
+        wanted = -(-wanted // threads) * threads
+    return wanted, nbytes / wanted, -(-count // wanted)
 
 
 def _holding(slots: threading.BoundedSemaphore, fn: Callable[..., _T], *args: Any) -> _T:

@@ -212,6 +212,26 @@ def test_gpu_batches_give_every_decode_thread_work_within_the_budget() -> None:
     mixed = [(0, a, 10 * mib), (1, b, 10 * mib), (2, a, 900 * mib), (3, a, 10 * mib), (4, b, 10 * mib)]
     got = _batched(mixed, {a: 256 * mib, b: 256 * mib}, 4)  # type: ignore[arg-type]
     assert sorted((str(d), items) for d, items in got) == [("cuda:0", [0]), ("cuda:0", [2]), ("cuda:0", [3]), ("cuda:1", [1, 4])]
-    # at most MAX_GPU_BATCH_ITEMS items per batch
+    # at most MAX_GPU_BATCH_ITEMS items per batch, split evenly
     many = [(k, a, 1) for k in range(MAX_GPU_BATCH_ITEMS + 5)]
-    assert [len(items) for _, items in _batched(many, {a: 1 << 30}, 4)] == [MAX_GPU_BATCH_ITEMS, 5]  # type: ignore[arg-type]
+    assert [len(items) for _, items in _batched(many, {a: 1 << 30}, 4)] == [2051, 2050]  # type: ignore[arg-type]
+
+
+def test_gpu_batches_beyond_one_per_thread_come_in_even_rounds() -> None:
+    """More batches than threads: a multiple of the threads, of even items and bytes, so no
+    batch decodes alone at the end (20,000 small items were 4 full batches and a tail)."""
+    from nvdcp.dcp.reader import MAX_GPU_BATCH_ITEMS, _batched
+
+    a = torch.device("cuda", 0)
+    sizes = [4096 << (k % 9) for k in range(4 * MAX_GPU_BATCH_ITEMS + 3616)]
+    rows = [(k, a, size) for k, size in enumerate(sizes)]
+    batches = _batched(rows, {a: 1 << 30}, 4)  # type: ignore[arg-type]
+    assert len(batches) == 8
+    assert [ix for _, items in batches for ix in items] == list(range(len(rows)))
+    counts = [len(items) for _, items in batches]
+    assert max(counts) <= MAX_GPU_BATCH_ITEMS and max(counts) - min(counts) <= 0.1 * max(counts)
+    nbytes = [sum(sizes[ix] for ix in items) for _, items in batches]
+    assert max(nbytes) <= 1 << 30 and max(nbytes) - min(nbytes) <= 0.1 * max(nbytes)
+    # a budget that needs 6 batches gets 8 (two rounds of 4 threads), none over the budget
+    tight = _batched(rows, {a: sum(sizes) // 6 + 1}, 4)  # type: ignore[arg-type]
+    assert len(tight) == 8
