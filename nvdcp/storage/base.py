@@ -12,10 +12,26 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 
+import numpy as np
+
 from nvdcp.errors import CorruptCheckpointError
 from nvdcp.storage.spans import ChunkSpans, Gather
 
 Buffer = bytes | bytearray | memoryview
+
+#: Read buffers from this size up are left unfilled until the read fills them (read_buffer).
+UNFILLED_MIN_BYTES = 1 << 20
+
+
+def read_buffer(length: int) -> bytearray | memoryview:
+    """A writable buffer of ``length`` bytes for a read to fill. From ``UNFILLED_MIN_BYTES`` up
+    its memory is not zero-filled first: ``bytearray(n)`` zero-fills while holding the GIL
+    (2,450 small records read in runs on the CPU machine: 149 ms of zeroing against 15 ms of
+    reads from the page cache), where fresh pages are instead faulted in by the read itself,
+    which runs without the GIL. A memoryview, so slices are views and ``==`` compares bytes."""
+    if length < UNFILLED_MIN_BYTES:
+        return bytearray(length)
+    return memoryview(np.empty(length, dtype=np.uint8)).cast("B")
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 

@@ -21,7 +21,7 @@ from nvdcp.errors import (
     StorageError,
     TruncatedCheckpointError,
 )
-from nvdcp.storage.base import Buffer, Storage, WriteStream, check_name
+from nvdcp.storage.base import Buffer, Storage, WriteStream, check_name, read_buffer
 from nvdcp.storage.spans import ChunkSpans, Gather
 
 
@@ -460,7 +460,7 @@ class LocalStorage(Storage):
                 raise TruncatedCheckpointError(
                     f"{path}: wanted {length} bytes at offset {offset}, file ends after {max(0, size - offset)}"
                 )
-            buf = bytearray(length)
+            buf = read_buffer(length)
             _scatter_read(fd, path, offset, [memoryview(buf)])
             return buf
         except OSError as exc:

@@ -62,7 +62,7 @@ from nvdcp.errors import (
     StorageUnavailableError,
     TruncatedCheckpointError,
 )
-from nvdcp.storage.base import Buffer, Storage, WriteStream, check_name
+from nvdcp.storage.base import Buffer, Storage, WriteStream, check_name, read_buffer
 from nvdcp.storage.prefetch import Prefetcher
 from nvdcp.storage.readahead import BlockCache
 from nvdcp.storage.s3_config import S3_MAX_DELETE_KEYS, S3_MAX_PART_SIZE, S3_MAX_PARTS, S3Config
@@ -526,7 +526,7 @@ class S3Storage(Storage):
                     raise TruncatedCheckpointError(
                         f"{where}: wanted bytes {start}..{end}, the object ends after {size}"
                     )
-        buffers = [bytearray(end - start) for start, end, _ in spans]
+        buffers = [read_buffer(end - start) for start, end, _ in spans]
         pieces = [
             (start + p, memoryview(buf)[p : min(p + step, len(buf))])
             for (start, _, _), buf in zip(spans, buffers)

@@ -88,3 +88,20 @@ def test_synced_files_start_their_writeback_as_they_grow(tmp_path: Path, monkeyp
     else:
         assert started == 0
     assert (tmp_path / "f.distcp").read_bytes() == data.tobytes()
+
+
+@pytest.mark.parametrize("length", [0, 100, (1 << 20) - 1, 1 << 20, (3 << 20) + 5])
+def test_read_range_returns_the_bytes_below_and_above_the_unfilled_threshold(tmp_path: Path, length: int) -> None:
+    """Reads of 1 MiB and more land in memory that was never zero-filled (read_buffer): what
+    comes back must still be exactly the file's bytes, compare equal to them and slice as bytes."""
+    from nvdcp.storage.base import UNFILLED_MIN_BYTES, read_buffer
+
+    data = np.random.default_rng(length).integers(0, 256, length + 7, dtype=np.uint8).tobytes()
+    (tmp_path / "f").write_bytes(data)
+    got = LocalStorage(str(tmp_path)).read_range("f", 7, length)
+    assert len(got) == length
+    assert got == data[7:]
+    assert bytes(got[: min(length, 10)]) == data[7 : 7 + min(length, 10)]
+    assert isinstance(read_buffer(length), bytearray) == (length < UNFILLED_MIN_BYTES)
+    with pytest.raises(TruncatedCheckpointError):
+        LocalStorage(str(tmp_path)).read_range("f", 8, length)
