@@ -31,7 +31,7 @@ def read_buffer(length: int) -> bytearray | memoryview:
     which runs without the GIL. A memoryview, so slices are views and ``==`` compares bytes."""
     if length < UNFILLED_MIN_BYTES:
         return bytearray(length)
-    return memoryview(np.empty(length, dtype=np.uint8)).cast("B")
+    return memoryview(np.empty(length, dtype=np.uint8)).cast("B")  # type: ignore[arg-type]
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
