@@ -230,6 +230,8 @@ class NvcompReader(StorageReader):
         self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]] | None = None
         #: descriptor tuples already checked (see _check_descriptor)
         self._good_descriptors: set[Any] = set()
+        #: descriptor tuple -> (an nvdcp record, a delta record) (see _descriptor_kind)
+        self._kinds: dict[Any, tuple[bool, bool]] = {}
         #: the reader of this checkpoint's base when it is a delta (opened by set_up_storage_reader)
         self.base: NvcompReader | None = None
         #: data file sizes asked of storage (see _file_size)
@@ -245,6 +247,7 @@ class NvcompReader(StorageReader):
         self.__dict__.update(state)
         self._decoders = threading.local()
         self.__dict__.setdefault("_good_descriptors", set())
+        self.__dict__.setdefault("_kinds", {})
         self.__dict__.setdefault("base", None)
         self.__dict__.setdefault("_file_sizes", {})
 
@@ -892,15 +895,9 @@ class NvcompReader(StorageReader):
         records: dict[MetadataIndex, _StorageInfo] = {}
         stock: set[MetadataIndex] = set()
         deltas: list[MetadataIndex] = []
-        kinds: dict[Any, tuple[bool, bool]] = {}
         for index in by_item:
             info = records[index] = self._record(index)
-            try:
-                kind = kinds[info.transform_descriptors]
-            except KeyError:
-                kind = kinds[info.transform_descriptors] = (is_nvdcp_record(info), descriptor.is_delta(info))
-            except TypeError:  # unhashable: judged alone
-                kind = (is_nvdcp_record(info), descriptor.is_delta(info))
+            kind = self._descriptor_kind(info)
             if not kind[0]:
                 stock.add(index)
             elif kind[1]:
@@ -1022,7 +1019,7 @@ class NvcompReader(StorageReader):
         placed: list[torch.Tensor | None] = []
         t0 = time.perf_counter()
         stored = 0
-        places = [self._place(index) for index in indexes]
+        places, deltas = self._places(indexes)
         # Small records come in one read per run of nearby records (two opens and reads per item
         # cost more than decoding it); large ones read their header, then their chunks straight
         # into pinned staging.
@@ -1045,8 +1042,7 @@ class NvcompReader(StorageReader):
             if header.transform and header.n_planes != element_size:
                 raise CorruptCheckpointError(f"{where}: {header.n_planes} byte planes for {element_size}-byte elements")
             # a v2 record exactly where .metadata says delta (_combine_levels folds it with its bases)
-            delta = descriptor.is_delta(self._record(index))
-            self._check_against_metadata(header, dtype, shape, element_size, where, delta)  # type: ignore[arg-type]
+            self._check_against_metadata(header, dtype, shape, element_size, where, deltas[i])  # type: ignore[arg-type]
             found = targets[i] if targets is not None else None
             out = None
             whole = None
@@ -1070,6 +1066,27 @@ class NvcompReader(StorageReader):
         info = self._record(index)
         self._check_descriptor(info, index)
         return info.relative_path, info.offset, info.length
+
+    def _places(self, indexes: list[MetadataIndex]) -> tuple[list[tuple[str, int, int]], list[bool]]:
+        """:meth:`_place` of each item, and whether ``.metadata`` says it is a delta record."""
+        places: list[tuple[str, int, int]] = []
+        deltas: list[bool] = []
+        for index in indexes:
+            info = self._record(index)
+            self._check_descriptor(info, index)
+            places.append((info.relative_path, info.offset, info.length))
+            deltas.append(self._descriptor_kind(info)[1])
+        return places, deltas
+
+    def _descriptor_kind(self, info: _StorageInfo) -> tuple[bool, bool]:
+        """Whether a record is nvdcp's, and a delta, judged once per distinct descriptor tuple."""
+        try:
+            return self._kinds[info.transform_descriptors]
+        except KeyError:
+            kind = self._kinds[info.transform_descriptors] = (is_nvdcp_record(info), descriptor.is_delta(info))
+            return kind
+        except TypeError:  # unhashable: judged alone
+            return is_nvdcp_record(info), descriptor.is_delta(info)
 
     def _record_runs(self, places: list[tuple[str, int, int]]) -> list[_RecordRun]:
         """Records of at most ``RUN_RECORD_BYTES`` read in runs: one read per stretch of a file
