@@ -25,17 +25,17 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from nvdcp.storage.base import Buffer
+from nvdcp.storage.base import Buffer, ReadBuffer, read_buffer
 
 #: fetch(start, length) -> up to ``length`` bytes at ``start`` (fewer at the end of the object)
-Fetch = Callable[[int, int], bytearray]
+Fetch = Callable[[int, int], ReadBuffer]
 
 
 @dataclass(eq=False)
 class _Extent:
     start: int
     length: int
-    future: cf.Future[bytearray]
+    future: cf.Future[ReadBuffer]
     consumed: int = 0  # bytes of it read at least once
     read: list[tuple[int, int]] = field(default_factory=list)  # (start, end) read, merged, sorted
 
@@ -84,7 +84,7 @@ class Prefetcher:
     """
 
     def __init__(
-        self, part: int, window: int, submit: Callable[[Callable[[], bytearray]], cf.Future[bytearray]],
+        self, part: int, window: int, submit: Callable[[Callable[[], ReadBuffer]], cf.Future[ReadBuffer]],
         min_streak: int = 2,
     ) -> None:
         self.part = part
@@ -147,7 +147,7 @@ class Prefetcher:
             with self._lock:
                 self.stats["hits"] += 1
             return views[0]
-        out = bytearray(length)
+        out = read_buffer(length)
         at = 0
         for v in views:
             out[at : at + len(v)] = v
@@ -158,7 +158,7 @@ class Prefetcher:
             self.stats["partial_hits"] += 1
         return out
 
-    def _result(self, key: str, ext: _Extent) -> bytearray | None:
+    def _result(self, key: str, ext: _Extent) -> ReadBuffer | None:
         try:
             data = ext.future.result()
         except Exception:  # noqa: BLE001 - the caller's own request raises the real error
@@ -255,7 +255,7 @@ class Prefetcher:
                 self._streams.pop(key, None)
 
 
-def _chain(src: cf.Future[bytearray], dst: cf.Future[bytearray]) -> None:
+def _chain(src: cf.Future[ReadBuffer], dst: cf.Future[ReadBuffer]) -> None:
     exc = src.exception()
     if exc is not None:
         dst.set_exception(exc)

@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable
 
 from nvdcp.errors import TruncatedCheckpointError
+from nvdcp.storage.base import read_buffer
 
 Slot = tuple[str, int]  # (object key, block index)
 
@@ -40,7 +41,7 @@ class BlockCache:
 
     def read(
         self, key: str, offset: int, length: int, block: int, fetch: Callable[[int], bytes], where: str
-    ) -> bytearray:
+    ) -> bytearray | memoryview:
         """``length`` bytes at ``offset`` of object ``key``, from blocks of ``block`` bytes.
 
         ``fetch(index)`` returns block ``index`` (shorter at the end of the object, empty past it).
@@ -48,7 +49,7 @@ class BlockCache:
         Raises:
             TruncatedCheckpointError: the object ends before ``offset + length``.
         """
-        out = bytearray(length)
+        out = read_buffer(length)
         got = 0
         for index in range(offset // block, (offset + length - 1) // block + 1):
             data = self.get((key, index), lambda i=index: fetch(i))  # type: ignore[misc]

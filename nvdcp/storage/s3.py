@@ -480,13 +480,12 @@ class S3Storage(Storage):
         where = self.describe(name)
         return self._blocks.read(key, offset, length, block, lambda i: self._fetch_block(key, where, i), where)
 
-    def _fetch_span(self, key: str, where: str, start: int, length: int) -> bytearray:
+    def _fetch_span(self, key: str, where: str, start: int, length: int) -> bytearray | memoryview:
         """Up to ``length`` bytes at ``start`` with one GET (fewer at the end of the object): a
-        prefetch extent."""
-        buf = bytearray(length)
+        prefetch extent (in a :func:`read_buffer`: not zero-filled first)."""
+        buf = read_buffer(length)
         got = self.call("GetObject", where, lambda: self._get_into(key, where, start, memoryview(buf)))
-        del buf[got:]
-        return buf
+        return buf if got == length else memoryview(buf)[:got]
 
     def _fetch_block(self, key: str, where: str, index: int) -> bytes:
         block = self.config.readahead_size
