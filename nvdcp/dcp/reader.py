@@ -1912,8 +1912,8 @@ def _batched(items: list[tuple[MetadataIndex, torch.device | None, int]], budget
 
 
 def _batch_share(nbytes: int, count: int, budget: int, threads: int) -> tuple[int, float, int]:
-    """(how many, bytes of one, items of one) of :func:`_batched`'s even batches of a device's ``count`` items
-    of ``nbytes`` bytes."""
+    """(how many, bytes of one, items of one) of :func:`_batched`'s even batches of a device's
+    ``count`` items of ``nbytes`` bytes."""
     needed = max(-(-count // MAX_GPU_BATCH_ITEMS), -(-nbytes // max(1, budget)))
     wanted = max(needed, min(max(1, threads), -(-nbytes // MIN_GPU_BATCH_BYTES)))
     if wanted > threads > 0:

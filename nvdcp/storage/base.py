@@ -18,13 +18,11 @@ from nvdcp.errors import CorruptCheckpointError
 from nvdcp.storage.spans import ChunkSpans, Gather
 
 Buffer = bytes | bytearray | memoryview
+#: What :func:`read_buffer` returns.
+ReadBuffer = bytearray | memoryview
 
 #: Read buffers from this size up are left unfilled until the read fills them (read_buffer).
 UNFILLED_MIN_BYTES = 1 << 20
-
-
-#: What :func:`read_buffer` returns.
-ReadBuffer = bytearray | memoryview
 
 
 def read_buffer(length: int) -> ReadBuffer:
@@ -36,6 +34,7 @@ def read_buffer(length: int) -> ReadBuffer:
     if length < UNFILLED_MIN_BYTES:
         return bytearray(length)
     return memoryview(np.empty(length, dtype=np.uint8)).cast("B")  # type: ignore[arg-type]
+
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
