@@ -33,6 +33,7 @@ from nvdcp.pipeline.cpu import EncodedItem
 from nvdcp.pipeline.encoder import ItemEncoder
 from nvdcp.pipeline.record_batch import RecordBatch
 from nvdcp.storage.local import LocalStorage
+from nvdcp.storage.spans import ChunkSpans
 from tests.conftest import bit_equal, weights_like
 from tests.dcp.helpers import data_files, failure_of
 
@@ -73,9 +74,11 @@ class FakeGpu(ItemEncoder):
     """float64 tensors take the 'GPU' path: buckets of ``per_bucket`` records (as one
     RecordBatch each where the writer asks for batches, unless ``batches`` is False)."""
 
-    def __init__(self, per_bucket: int = 3, fail_after: int | None = None, batches: bool = True) -> None:
+    def __init__(self, per_bucket: int = 3, fail_after: int | None = None, batches: bool = True,
+                 spans: bool = False) -> None:
         super().__init__(EncodeConfig(), GpuConfig())
         self.batches = batches
+        self.spans = spans  # single records' chunks as ChunkSpans of the bucket (as the GPU encoder's)
         self.per_bucket = per_bucket
         self.fail_after = fail_after
         self.lock = threading.Lock()
@@ -118,9 +121,13 @@ class FakeGpu(ItemEncoder):
                     continue
                 view, pos, records = memoryview(buf), 0, []
                 for job, header, header_bytes, chunks in owned:
-                    views = []
+                    views: Any = []
+                    sizes = np.array([len(c) for c in chunks], dtype=np.int64)
+                    if self.spans:
+                        views = ChunkSpans.of(view, pos + np.cumsum(sizes) - sizes, sizes)
                     for c in chunks:
-                        views.append(view[pos : pos + len(c)])
+                        if not self.spans:
+                            views.append(view[pos : pos + len(c)])
                         pos += len(c)
                     records.append((job, EncodedItem(header, header_bytes, views)))
                 bucket = _Bucket(self, records, buf)
@@ -377,6 +384,34 @@ def test_a_batch_with_large_records_writes_them_alone_in_one_file(tmp_path: Path
     finally:
         enc.close()
     assert calls.count("spans") == 3 and len([c for c in calls if c.startswith("gather")]) >= 2, calls
+    _load_same(sd, tmp_path)
+
+
+def test_large_records_of_a_bucket_share_go_out_together(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several data files (a run limit): the large records of a bucket that come one by one (as
+    deltas do) wait for the end of the bucket's share and go out with one write_spans call per
+    file and bucket, not one each; offsets stay right (the load is bit-exact)."""
+    monkeypatch.setattr(writer_mod, "SMALL_RECORD_BYTES", 60_000)
+    from nvdcp.storage.local import _LocalWriteStream as stream_cls
+    calls: list[int] = []
+    write_spans = stream_cls.write_spans
+
+    def spans_spy(self: Any, head: Any, spans: Any, parallel: bool = True) -> None:
+        calls.append(len(spans))
+        write_spans(self, head, spans, parallel)
+
+    monkeypatch.setattr(stream_cls, "write_spans", spans_spy)
+    # large 'GPU' records (300 x 64 float64: 150 KiB) with small ones between them
+    sd = {f"g{i}": weights_like((300 if i % 3 else 20, 64), seed=i).double() for i in range(12)}
+    sd.update({f"c{i}": weights_like((50,), seed=50 + i) for i in range(3)})
+    large = sum(1 for i in range(12) if i % 3)
+    enc = FakeGpu(per_bucket=6, batches=False, spans=True)
+    try:
+        _save(sd, tmp_path, enc, thread_count=2)
+    finally:
+        enc.close()
+    assert len(data_files(tmp_path)) == 2
+    assert 0 < len(calls) < large, calls  # several records a call
     _load_same(sd, tmp_path)
 
 

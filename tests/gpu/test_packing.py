@@ -507,3 +507,28 @@ def test_slot_table_matches_the_per_segment_rule(seed: int) -> None:
     assert raw_sizes.tolist() == want_raw.tolist()
     assert slot_key.tolist() == want_key.tolist()
     assert keys == sorted(ids, key=lambda k: ids[k])
+
+
+def test_copy_pairs_copies_runs_of_adjacent_pairs_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pairs whose destinations and sources each follow one another in one allocation go as one
+    copy; a pair out of line (another arena, a gap, another dtype) starts a new copy."""
+    src_arena = torch.arange(400, dtype=torch.int64).to(torch.uint8)
+    dst_arena = torch.zeros(400, dtype=torch.uint8)
+    other = torch.zeros(50, dtype=torch.uint8)
+    spans = [(0, 30), (30, 100), (100, 101), (120, 160), (160, 200)]  # a gap before the fourth
+    dsts = [dst_arena[a:b] for a, b in spans] + [other[:10]]
+    srcs = [src_arena[a:b] for a, b in spans] + [src_arena[200:210]]
+    copies: list[int] = []
+    real = torch.Tensor.copy_
+
+    def spy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        copies.append(self.numel())
+        return real(self, src, non_blocking=non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", spy)
+    encoder_module.copy_pairs(dsts, srcs)
+    monkeypatch.undo()
+    assert copies == [101, 80, 10]
+    for d, s in zip(dsts, srcs):
+        assert torch.equal(d, s)
+    assert not dst_arena[101:120].any()  # the gap is not written
