@@ -176,7 +176,8 @@ def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return out
 
 
-def split_run(run: list[tuple[GpuJob, int]], slots: torch.Tensor, chunk_bytes: int) -> None:
+def split_run(run: list[tuple[GpuJob, int]], slots: torch.Tensor, chunk_bytes: int,
+              keep_stream: torch.cuda.Stream | None = None) -> None:
     """Write a run of ``(job, first slot)`` into the slots, each job kept (its raw bytes copied
     to ``keep``, when set) and, with a base, stored as its difference from it: what the
     per-segment copies write, with one concatenation, one difference and one transposed copy
@@ -185,7 +186,9 @@ def split_run(run: list[tuple[GpuJob, int]], slots: torch.Tensor, chunk_bytes: i
 
     A run (:meth:`GpuEncoder._runs`): jobs of one dtype and layout transform, each held whole by
     one segment of whole blocks, all with a base or all without (then each has a ``keep``). On
-    the current stream."""
+    the current stream; the copies of the kept bytes to the host on ``keep_stream`` when given,
+    after the uploads, so that the differencing and compression do not wait for them (the
+    caller synchronizes it before the host memory is read again)."""
     jobs = [job for job, _ in run]
     first = jobs[0]
     p, c = first.n_planes, chunk_bytes
@@ -201,7 +204,13 @@ def split_run(run: list[tuple[GpuJob, int]], slots: torch.Tensor, chunk_bytes: i
         copy_pairs([out[lo:hi] for lo, hi in spans], bases)  # type: ignore[arg-type]
     # after the uploads: a job's keep may be its base's memory
     kept = [(job.keep, new[lo:hi]) for job, (lo, hi) in zip(jobs, spans) if job.keep is not None]
-    copy_pairs([dst for dst, _ in kept], [src for _, src in kept])
+    if kept and keep_stream is not None:
+        keep_stream.wait_stream(torch.cuda.current_stream(slots.device))
+        with torch.cuda.stream(keep_stream):
+            copy_pairs([dst for dst, _ in kept], [src for _, src in kept])
+        new.record_stream(keep_stream)  # the temporary outlives the copies that read it
+    else:
+        copy_pairs([dst for dst, _ in kept], [src for _, src in kept])
     if out is not None:
         kind, size = delta_transform.kind_for(first.dtype), first.dtype.itemsize
         delta_transform.difference_into_base_torch(new, out, kind, size)
@@ -408,6 +417,8 @@ class GpuEncoder:
         self.max_slots = self.max_slots_for(2)
         self.gdeflate_type = gdeflate_type
         self.streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        #: copies of kept bytes to the host cache (delta policies), off the compression's streams
+        self.keep_stream = torch.cuda.Stream(device)
         self.codecs = [CodecCache(device.index or 0, s, chunk_bytes, gdeflate_type) for s in self.streams]
         #: chunk checksums on the device (the Triton kernel) rather than on the host after the copy
         self.device_crc = crc32c.device_crc_available()
@@ -504,7 +515,7 @@ class GpuEncoder:
         c = self.chunk_bytes
         small: dict[tuple[int, int, int], tuple[list[torch.Tensor], list[int]]] = {}
         for run in self._runs(jobs, bucket):
-            split_run(run, slots, c)
+            split_run(run, slots, c, self.keep_stream)
         for seg in bucket.segments:
             job = jobs[seg.job]
             p, m = job.n_planes, job.elements
@@ -796,7 +807,7 @@ class GpuEncoder:
             sink.closed = True
             producer.join()
             # copies already queued into pinned buffers must land before the pool reuses them
-            for stream in self.streams:
+            for stream in (*self.streams, self.keep_stream):
                 stream.synchronize()
             # Buckets handed out go back when the caller releases them (its writers may still be
             # at work when the last bucket was yielded), or all at once when it closes this.
@@ -812,11 +823,12 @@ class GpuEncoder:
             buckets = list(self._buckets(jobs, ready, sink))
         except BaseException:
             # Copies already queued into the sink's memory must land before the caller reuses it.
-            for stream in self.streams:
+            for stream in (*self.streams, self.keep_stream):
                 stream.synchronize()
             raise
         for hb in buckets:
             hb.done.synchronize()
+        self.keep_stream.synchronize()  # kept bytes are in host memory and the tensors no longer read
         return buckets
 
     def items(self, jobs: list[GpuJob], buckets: list[HostBucket]) -> Iterator[tuple[GpuJob, EncodedItem]]:

@@ -335,6 +335,7 @@ def test_delta_and_kept_jobs_split_in_runs_as_one_segment_at_a_time(
     jobs, bucket, bases = _delta_bucket(seed, c)
     encoder = object.__new__(GpuEncoder)
     encoder.chunk_bytes = c
+    encoder.keep_stream = None  # type: ignore[assignment]  # the CPU: kept bytes on the current stream
     runs = [[job for job, _ in run] for run in encoder._runs(jobs, bucket)]
     fp32_deltas = [run for run in runs if run[0].delta is not None and run[0].dtype == torch.float32]
     # all seven fp32 deltas held whole in whole blocks (not the one with a tail, not the split one)
