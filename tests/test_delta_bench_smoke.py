@@ -62,3 +62,20 @@ def test_delta_resume_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixt
     assert {"date", "machine", "command"} <= payload.keys() and payload["bit_exact"]
     assert [r["case"] for r in payload["results"]] == [
         "resumed delta save (bases read back)", "delta save (bases in the host cache)", "full save"]
+
+
+def test_delta_probe_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/delta_probe.py at a tiny size: both variants' chains save and load bit-exact,
+    the JSON comes out with every timing."""
+    from benchmarks import delta_probe
+
+    target = delta_probe.main(["--device", "cpu", "--root", str(tmp_path / "ckpt"), "--saves", "4", "--loads", "2",
+                               "--tensors", "3", "--rows", "16", "--out", str(tmp_path), "--suffix", "_smoke"])
+    assert "bit-exact True" in capsys.readouterr().out
+    payload = json.loads(target.read_text())
+    assert {"date", "machine", "command"} <= payload.keys()
+    assert [row["variant"] for row in payload["rows"]] == ["bf16", "fp32"]
+    for row in payload["rows"]:
+        assert row["bit_exact"] and len(row["seconds"]["delta_save"]) == 3 and len(row["seconds"]["d3_load"]) == 2
+        assert 0 < row["bytes"]["p1"] and 0 < row["bytes"]["f1"]
+    assert not (tmp_path / "ckpt" / "bf16").exists()
