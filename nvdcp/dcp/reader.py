@@ -558,31 +558,26 @@ class NvcompReader(StorageReader):
                               ) -> dict[MetadataIndex, np.ndarray]:
         """Decode checked levels (:meth:`_check_level_batch`), deepest first, each in one
         :func:`~nvdcp.pipeline.cpu_batch.decode_records` call: the records stored whole into
-        their items' destinations (``targets``, else fresh arrays), the deltas into one scratch
-        buffer, then applied to their items, whose bytes stored whole lie deeper and are decoded
-        by then (XOR and modular addition commute: the levels' order does not matter beyond
-        that). Returns each item's raw bytes."""
+        their items' destinations (``targets``, else fresh arrays), the deltas applied to their
+        items' bytes as their planes are interleaved (no scratch copy of them): those bytes are
+        stored whole deeper and decoded by then (XOR and modular addition commute: the levels'
+        order does not matter beyond that). Returns each item's raw bytes."""
         raws: dict[MetadataIndex, np.ndarray] = {}
         for batch in reversed(batches):
-            headers = batch.parsed.headers
-            scratch = np.empty(sum(h.raw_nbytes for h in headers if h.is_delta), dtype=np.uint8)
-            outs, at = [], 0
-            for index, header in zip(batch.indexes, headers):
-                if header.is_delta:
-                    outs.append(scratch[at : at + header.raw_nbytes])
-                    at += header.raw_nbytes
-                else:
+            outs: list[np.ndarray] = []
+            apply: list[tuple[int, int] | None] = []
+            for index, header, size in zip(batch.indexes, batch.parsed.headers, batch.element_sizes):
+                if not header.is_delta:
                     found = targets.get(index)
                     raws[index] = found[1] if found else np.empty(header.raw_nbytes, dtype=np.uint8)
-                    outs.append(raws[index])
+                outs.append(raws[index])
+                apply.append((header.delta_kind, size) if header.is_delta else None)
             try:
-                decode_records(batch.buf, batch.parsed, outs)
+                decode_records(batch.buf, batch.parsed, outs, apply=apply)
             except ValueError:
-                batch.decode_one_by_one(outs)  # names the record that does not decode
+                # names the record that does not decode (into scratch: no item's bytes change)
+                batch.decode_one_by_one([np.empty_like(out) for out in outs])
                 raise
-            for index, header, delta, size in zip(batch.indexes, headers, outs, batch.element_sizes):
-                if header.is_delta:
-                    delta_transform.apply_np(raws[index], delta, header.delta_kind, size)
         return raws
 
     def _require_item(self, index: MetadataIndex, where: str) -> None:

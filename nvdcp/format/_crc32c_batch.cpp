@@ -553,3 +553,38 @@ extern "C" int nvdcp_delta_apply(uint8_t* value, const uint8_t* delta, int64_t n
     default: return -1;
   }
 }
+
+// Merge `count` blocks of e planes each (as nvdcp_merge_planes_many) and apply them, as a delta of
+// `kind` over elements of w bytes (nvdcp_delta_apply), to the bytes already at dsts[i] (the base
+// item's, decoded there first): one pass over each destination instead of a merge into a
+// scratch buffer and a second pass applying it (nvdcp/pipeline/cpu_batch.py, delta chains on the
+// host). Each block's n*e bytes must be a multiple of w. Returns 0, or -1 for an unknown kind or
+// width (nothing written then).
+extern "C" int nvdcp_merge_apply_many(const int64_t* planes, const int64_t* ns, const int64_t* dsts, int64_t count,
+                                      int e, int kind, int w) noexcept {
+  if (e <= 0 || e > 16 || (kind != 0 && kind != 1) || (kind == 1 && w != 2 && w != 4 && w != 8)) return -1;
+  constexpr size_t kTile = 4096;  // elements per round: the merged tile stays in L1
+  alignas(16) uint8_t tile[kTile * 16];
+  const uint8_t* rows[16];
+  for (int64_t i = 0; i < count; ++i) {
+    uint8_t* dst = reinterpret_cast<uint8_t*>(dsts[i]);
+    const size_t n = static_cast<size_t>(ns[i]);
+    for (size_t lo = 0; lo < n; lo += kTile) {
+      const size_t m = n - lo < kTile ? n - lo : kTile;
+      for (int p = 0; p < e; ++p) rows[p] = reinterpret_cast<const uint8_t*>(planes[i * e + p]) + lo;
+      nvdcp_merge_planes(rows, static_cast<int64_t>(m), e, tile);
+      uint8_t* out = dst + lo * static_cast<size_t>(e);
+      const size_t bytes = m * static_cast<size_t>(e);
+      if (kind == 0) {
+        for (size_t k = 0; k < bytes; ++k) out[k] ^= tile[k];
+      } else if (w == 2) {
+        zigzag_apply<uint16_t>(out, tile, bytes / 2);
+      } else if (w == 4) {
+        zigzag_apply<uint32_t>(out, tile, bytes / 4);
+      } else {
+        zigzag_apply<uint64_t>(out, tile, bytes / 8);
+      }
+    }
+  }
+  return 0;
+}

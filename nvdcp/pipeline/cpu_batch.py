@@ -519,12 +519,25 @@ def _native_merge_many() -> Callable[..., int] | None:
     return fn  # type: ignore[no-any-return]
 
 
-def decode_records(buf: np.ndarray, parsed: ParsedRecords, outs: Sequence[np.ndarray], threads: int = 1) -> None:
+def _native_merge_apply_many() -> Callable[..., int] | None:
+    fn = load_function(_FORMAT_DIR, "_crc32c_batch", "nvdcp_merge_apply_many")
+    if fn is not None:
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int]
+        fn.restype = ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+def decode_records(buf: np.ndarray, parsed: ParsedRecords, outs: Sequence[np.ndarray], threads: int = 1,
+                   apply: Sequence[tuple[int, int] | None] | None = None) -> None:
     """Decode every record of ``parsed`` into ``outs[i]`` (its raw bytes, flat contiguous uint8 of
     the record's size). The chunks' CRC32Cs must have been checked and the codecs be decodable
     here (:func:`~nvdcp.pipeline.cpu.check_decodable`). Each codec decodes all its chunks in one
     call (:meth:`~nvdcp.codecs.base.Codec.decode_ranges`); the planes of every block are then
-    interleaved into place by one native call per plane count.
+    interleaved into place by one native call per plane count. ``apply[i]``, when given as
+    ``(delta kind, element size)``: record ``i`` is a delta, applied to the bytes ``outs[i]``
+    already holds (its base's, :func:`~nvdcp.transform.delta.apply_np`) as its planes are
+    interleaved, instead of written there.
 
     Raises:
         ValueError: a chunk does not decode to its size (the caller decodes the records one by
@@ -557,10 +570,40 @@ def decode_records(buf: np.ndarray, parsed: ParsedRecords, outs: Sequence[np.nda
     out_addr = np.fromiter((o.ctypes.data for o in outs), dtype=np.int64, count=len(outs))
     firsts = local % e == 0  # the first chunk of every block
     dsts = out_addr[chunk_item[firsts]] + block[firsts] * cb[chunk_item[firsts]] * e[firsts]
-    for width in np.unique(n_planes).tolist():
-        blocks = np.flatnonzero(firsts & (e == width))
-        if len(blocks):
-            _merge_blocks(pointers, blocks, block_raw[blocks], dsts[e[firsts] == width], width)
+    # per block: its plane count, and the delta kind and element size its record applies (-1, 0: none)
+    how = np.full((len(headers), 2), (-1, 0), dtype=np.int64)
+    for i, kind_size in enumerate(apply or ()):
+        if kind_size is not None:
+            how[i] = kind_size
+    block_firsts = np.flatnonzero(firsts)
+    keys = np.column_stack((e[firsts], how[chunk_item[firsts]]))
+    for width, kind, size in np.unique(keys, axis=0).tolist():
+        mine = (keys == (width, kind, size)).all(axis=1)
+        blocks = block_firsts[mine]
+        if kind < 0:
+            _merge_blocks(pointers, blocks, block_raw[blocks], dsts[mine], width)
+        else:
+            _merge_apply_blocks(pointers, blocks, block_raw[blocks], dsts[mine], width, kind, size)
+
+
+def _merge_apply_blocks(pointers: np.ndarray, first: np.ndarray, ns: np.ndarray, dsts: np.ndarray, width: int,
+                        kind: int, element_size: int) -> None:
+    """:func:`_merge_blocks`, each block applied as a delta of ``kind`` over ``element_size``-byte
+    elements to the bytes at ``dsts[i]`` (one native pass; else merged, then applied with numpy)."""
+    fn = _native_merge_apply_many()
+    apply_width = element_size if kind == delta_transform.ZIGZAG_DIFF else 1
+    if fn is not None:
+        planes = np.ascontiguousarray(pointers[first[:, None] + np.arange(width)])
+        done = fn(planes.ctypes.data, np.ascontiguousarray(ns, dtype=np.int64).ctypes.data,
+                  np.ascontiguousarray(dsts).ctypes.data, len(ns), width, kind, apply_width)
+        if done != 0:
+            raise ValueError(f"delta kind {kind} over {element_size}-byte elements cannot be applied")
+        return
+    for block, n, dst in zip(first.tolist(), ns.tolist(), dsts.tolist()):
+        merged = np.empty(n * width, dtype=np.uint8)
+        _merge_blocks(pointers, np.array([block]), np.array([n]), np.array([merged.ctypes.data]), width)
+        value = np.ctypeslib.as_array((ctypes.c_uint8 * (n * width)).from_address(dst))
+        delta_transform.apply_np(value, merged, kind, element_size)
 
 
 def _merge_blocks(pointers: np.ndarray, first: np.ndarray, ns: np.ndarray, dsts: np.ndarray, width: int) -> None:

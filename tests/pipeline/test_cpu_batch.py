@@ -310,6 +310,27 @@ def test_delta_records_parse_and_decode_together_with_whole_ones() -> None:
         assert np.array_equal(value, raw) and np.array_equal(outs[2 * i + 1], raw), f"{t.dtype} {tuple(t.shape)}"
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_delta_records_applied_to_their_bases_as_they_decode(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``apply``: each delta record's planes are interleaved straight into its base's bytes (one
+    pass), giving what decoding it and then applying it gives; whole records beside them are
+    written as before. With and without the native merge-and-apply."""
+    from nvdcp.transform import delta as delta_transform
+
+    if not native:
+        monkeypatch.setattr(cpu_batch, "_native_merge_apply_many", lambda: None)
+    tensors, bases, _, buf, starts, lengths = _delta_records(seed=3)
+    parsed = cpu_batch.parse_records(buf, starts, lengths)
+    assert parsed is not None
+    outs = [bases[i // 2].copy() if h.is_delta else np.full(h.raw_nbytes, 0xAB, dtype=np.uint8)
+            for i, h in enumerate(parsed.headers)]
+    apply = [(h.delta_kind, tensors[i // 2].element_size()) if h.is_delta else None for i, h in enumerate(parsed.headers)]
+    cpu_batch.decode_records(buf, parsed, outs, apply=apply)
+    for i, t in enumerate(tensors):
+        raw = tensor_to_host_bytes(t)
+        assert np.array_equal(outs[2 * i], raw) and np.array_equal(outs[2 * i + 1], raw), f"{t.dtype} {tuple(t.shape)}"
+
+
 def test_any_damaged_delta_header_sends_the_batch_to_the_one_by_one_path() -> None:
     """The base digest, delta kind and flags of a v2 header are checked like every other field."""
     _, _, _, buf, starts, lengths = _delta_records(seed=1)
