@@ -415,6 +415,35 @@ def test_large_records_of_a_bucket_share_go_out_together(tmp_path: Path, monkeyp
     _load_same(sd, tmp_path)
 
 
+def test_a_failing_write_of_queued_large_records_fails_the_save_without_hanging(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The vectored write of a share's queued large records fails (disk full): every file
+    aborts, every bucket goes back, nothing is left behind."""
+    monkeypatch.setattr(writer_mod, "SMALL_RECORD_BYTES", 60_000)
+    from nvdcp.storage.local import _LocalWriteStream as stream_cls
+    write_spans = stream_cls.write_spans
+    calls = {"n": 0}
+
+    def failing(self: Any, head: Any, spans: Any, parallel: bool = True) -> None:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError(28, "No space left on device")
+        write_spans(self, head, spans, parallel)
+
+    monkeypatch.setattr(stream_cls, "write_spans", failing)
+    sd = {f"g{i}": weights_like((300, 64), seed=i).double() for i in range(12)}
+    enc = FakeGpu(per_bucket=3, batches=False, spans=True)
+    try:
+        with pytest.raises(BaseException) as info:
+            _save(sd, tmp_path, enc, thread_count=2)
+    finally:
+        enc.close()
+    assert calls["n"] >= 2 and "No space left" in str(failure_of(info.value))
+    assert all(h == 0 for h in enc.held_at_close) and all(b.released for b in enc.buckets)
+    assert data_files(tmp_path) == []
+
+
 def test_a_batch_is_shared_out_in_consecutive_parts() -> None:
     """A bucket's batch goes to the files in consecutive parts that even out their waiting
     bytes, at most one part each; single records keep the per-record rule."""
