@@ -640,13 +640,20 @@ class NvcompReader(StorageReader):
         return _Window(units, window)
 
     def _delta_groups(self, indexes: list[MetadataIndex]) -> list[list[MetadataIndex]]:
-        """Host-decoded delta items in groups of about ``DELTA_GROUP_BYTES`` of stored records
-        (at most ``DELTA_GROUP_ITEMS``), in file order: the units of :meth:`_load_delta_group_cpu`."""
+        """Host-decoded delta items in groups of stored records, in file order: the units of
+        :meth:`_load_delta_group_cpu`. A group holds about ``DELTA_GROUP_BYTES`` (at most
+        ``DELTA_GROUP_ITEMS``), less (down to ``DELTA_GROUP_MIN_BYTES``) when that leaves
+        fewer than two groups per thread: a group is decoded by one thread, and a load whose
+        deltas fit one or two groups kept the other cores idle (CPU machine, two cores, depth-1
+        loads of 40 bf16 tensors of 1 MiB: 63 ms in one 16 MiB group, 39 ms in four; a full
+        load 16-19 ms). Smaller groups than the minimum cost more in each group's reads and
+        checks, and in handing the GIL between them, than they gain."""
+        lengths = [self._record(index).length for index in indexes]
+        per_group = min(DELTA_GROUP_BYTES, max(DELTA_GROUP_MIN_BYTES, -(-sum(lengths) // (2 * self.thread_count))))
         groups: list[list[MetadataIndex]] = [[]]
         size = 0
-        for index in indexes:
-            length = self._record(index).length
-            if groups[-1] and (size + length > DELTA_GROUP_BYTES or len(groups[-1]) >= DELTA_GROUP_ITEMS):
+        for index, length in zip(indexes, lengths):
+            if groups[-1] and (size + length > per_group or len(groups[-1]) >= DELTA_GROUP_ITEMS):
                 groups.append([])
                 size = 0
             groups[-1].append(index)
@@ -1539,9 +1546,11 @@ class _LevelBatch:
         for index, header, out, at, n in zip(self.indexes, self.parsed.headers, outs, self.starts.tolist(),
                                              self.lengths.tolist()):
             decode_item(self.buf[at : at + n].data, self.reader.where(index), None, out=out, checked=header)
-#: Host-decoded delta items are rebuilt in groups of about this many stored bytes (or items).
+#: Host-decoded delta items are rebuilt in groups of about this many stored bytes (or items); a
+#: small load's groups are smaller (two per thread) but not below ``DELTA_GROUP_MIN_BYTES``.
 DELTA_GROUP_BYTES = 16 << 20
 DELTA_GROUP_ITEMS = 1024
+DELTA_GROUP_MIN_BYTES = 4 << 20
 #: GPU batches read records up to this size in runs (see NvcompReader._read_record_runs).
 RUN_RECORD_BYTES = 1 << 20
 RUN_GAP_BYTES = 64 << 10

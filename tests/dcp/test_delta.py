@@ -824,6 +824,35 @@ def test_host_loads_rebuild_deltas_in_groups_of_items_with_chains_of_different_d
     _load_check(tmp_path / "s2", _snapshot(sd))
 
 
+def test_host_delta_groups_leave_no_thread_idle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load's host deltas are cut into at least two groups per reader thread, unless a group
+    would then hold less than DELTA_GROUP_MIN_BYTES of records; in file order, every item once;
+    the load is the same."""
+    from nvdcp.dcp import reader as reader_mod
+
+    monkeypatch.setattr(reader_mod, "DELTA_GROUP_MIN_BYTES", 1)
+    policy = nvdcp.DeltaPolicy(full_every=8, min_item_bytes=0)
+    sd: dict[str, Any] = {f"w{i}": weights_like((64, 200), seed=i) for i in range(12)}
+    save(sd, tmp_path / "s0", delta=policy)
+    sd = {k: v + 1e-4 for k, v in sd.items()}
+    save(sd, tmp_path / "s1", delta=policy)
+    paths, wants = [tmp_path / "s0", tmp_path / "s1"], [None, _snapshot(sd)]
+    reader = nvdcp.NvcompReader(paths[1], thread_count=2)
+    md = reader.read_metadata()
+    reader.set_up_storage_reader(md, True)
+    deltas = [ix for ix, info in md.storage_data.items() if descriptor.is_delta(info)]
+    deltas.sort(key=lambda ix: (md.storage_data[ix].relative_path, md.storage_data[ix].offset))
+    total = sum(md.storage_data[ix].length for ix in deltas)
+    assert len(deltas) == 12
+    groups = reader._delta_groups(deltas)
+    assert [ix for g in groups for ix in g] == deltas
+    assert len(groups) >= 4, (total, [len(g) for g in groups])  # two per thread at least
+    monkeypatch.setattr(reader_mod, "DELTA_GROUP_MIN_BYTES", total)  # the minimum wins: one group
+    assert reader._delta_groups(deltas) == [deltas]
+    monkeypatch.setattr(reader_mod, "DELTA_GROUP_MIN_BYTES", 1)
+    _load_check(paths[1], wants[1])
+
+
 # -- plane codecs of the next GPU delta ---------------------------------------------------------
 def test_a_delta_record_sets_its_items_next_plane_codecs(tmp_path: Path) -> None:
     """Each delta written tells the cache which codec each plane of the item's next delta gets on

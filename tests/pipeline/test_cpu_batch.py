@@ -315,7 +315,6 @@ def test_delta_records_applied_to_their_bases_as_they_decode(native: bool, monke
     """``apply``: each delta record's planes are interleaved straight into its base's bytes (one
     pass), giving what decoding it and then applying it gives; whole records beside them are
     written as before. With and without the native merge-and-apply."""
-    from nvdcp.transform import delta as delta_transform
 
     if not native:
         monkeypatch.setattr(cpu_batch, "_native_merge_apply_many", lambda: None)
