@@ -519,6 +519,7 @@ def _native_merge_many() -> Callable[..., int] | None:
     return fn  # type: ignore[no-any-return]
 
 
+@functools.cache
 def _native_merge_apply_many() -> Callable[..., int] | None:
     fn = load_function(_FORMAT_DIR, "_crc32c_batch", "nvdcp_merge_apply_many")
     if fn is not None:
