@@ -157,6 +157,7 @@ def load_metadata(storage: Storage, *, allow_paths: bool = False) -> Metadata:
         raise CorruptCheckpointError(f"{where}: {len(blob)} bytes is implausibly large")
     check_memo_indices(blob, where)
     blocks_before = sys.getallocatedblocks()
+    collecting = gc.isenabled()
     with gc_paused():
         try:
             unpickler = _StockMetadataUnpickler if allow_paths else _MetadataUnpickler
@@ -166,17 +167,20 @@ def load_metadata(storage: Storage, *, allow_paths: bool = False) -> Metadata:
         if not isinstance(metadata, Metadata):
             raise CorruptCheckpointError(f"{where}: holds {type(metadata).__name__}, not Metadata")
         check_records(metadata, where)
-    if gc.isenabled() and _collect_now(blocks_before, sys.getallocatedblocks()):
-        # The objects just built are all young: left so, the collector's next young passes would
-        # walk them all, twice, during whatever runs next (a rank's load plan ran 2x slower at
-        # 64 ranks). One pass over the young generations now walks them once and leaves them
-        # old; whether the old generation then needs a full pass is CPython's own rule, as for
-        # any objects (a full pass here walked the whole heap: 0.15 s more per 20,000-item
-        # .metadata in a loading process, and did not make the rest of the load faster).
-        # (Moving them to the oldest generation without a collection, gc.freeze() + unfreeze(),
-        # was tried: it moves the process's young garbage too, uncollected until the next full
-        # pass; the reader fuzz target, capped in address space, ran out of memory with it.)
-        gc.collect(1)
+        if collecting and _collect_now(blocks_before, sys.getallocatedblocks()):
+            # The objects just built are all young: left so, the collector's next young passes would
+            # walk them all, twice, during whatever runs next (a rank's load plan ran 2x slower at
+            # 64 ranks). One pass over the young generations now walks them once and leaves them
+            # old; whether the old generation then needs a full pass is CPython's own rule, as for
+            # any objects (a full pass here walked the whole heap: 0.15 s more per 20,000-item
+            # .metadata in a loading process, and did not make the rest of the load faster).
+            # It runs before the collector is back on: else the first allocation after that
+            # starts a young pass over the same objects first (two walks: 42-92 ms against
+            # 44-47 ms per 20,000-item .metadata on the CPU machine).
+            # (Moving them to the oldest generation without a collection, gc.freeze() + unfreeze(),
+            # was tried: it moves the process's young garbage too, uncollected until the next full
+            # pass; the reader fuzz target, capped in address space, ran out of memory with it.)
+            gc.collect(1)
     return metadata
 
 

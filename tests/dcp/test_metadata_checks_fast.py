@@ -416,3 +416,28 @@ def test_one_full_collection_only_when_the_metadata_is_a_large_share_of_the_heap
         monkeypatch.setattr(metadata_io, "COLLECT_ABOVE_SHARE", share)
         metadata_io.load_metadata(_Store(blob))  # type: ignore[arg-type]
         assert collected == expected
+
+
+def test_the_new_objects_are_walked_by_one_collection(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pass that ages a large .metadata's objects runs before the collector is back on: the
+    first allocation after re-enabling it would otherwise start a young pass over all of them
+    first (two walks of the same objects: about 20 ms of 45 per 20,000 items on the CPU machine)."""
+    sdm: dict[str, Any] = {f"t{i}": _tensor((4,), [((0,), (4,))]) for i in range(3000)}
+    records = {MetadataIndex(f"t{i}", torch.Size((0,)), 0): _StorageInfo("__0_0.nvdcp", 10 * i, 10, DESC)
+               for i in range(3000)}
+    blob = pickle.dumps(Metadata(sdm, storage_data=records, storage_meta=StorageMeta("x", "y")))
+    monkeypatch.setattr(metadata_io, "COLLECT_ABOVE_SHARE", 0.0)  # this one is collected at once
+    passes: list[int] = []
+
+    def seen(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            passes.append(info["generation"])
+
+    gc.collect()
+    gc.callbacks.append(seen)
+    try:
+        metadata_io.load_metadata(_Store(blob))  # type: ignore[arg-type]
+        [object() for _ in range(10)], [[] for _ in range(10)]  # allocations: a pending young pass starts here
+    finally:
+        gc.callbacks.remove(seen)
+    assert passes == [1]
