@@ -46,6 +46,7 @@ from torch.futures import Future
 from nvdcp.dcp import descriptor
 from nvdcp.dcp.any_metadata import load_any_metadata
 from nvdcp.dcp.collector import collector_paused
+from nvdcp.dcp.record_columns import ColumnBatch
 from nvdcp.dcp.stock_items import (
     DIRECT_MIN_BYTES,
     OpenFiles,
@@ -129,6 +130,7 @@ def narrow(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
 
 _Load = TypeVar("_Load", bound=Callable[..., Any])
 _T = TypeVar("_T")
+_K = TypeVar("_K")
 _rereading = threading.local()
 
 
@@ -751,10 +753,10 @@ class NvcompReader(StorageReader):
 
     def _commit_loaded(self, reqs: list[ReadItem], header: ItemHeader | None, data: Any, planner: LoadPlanner) -> None:
         for req in reqs:
-            if header is None:
-                self._commit_stock(req, data, planner)
-            elif isinstance(data, _InPlace):  # decoded straight into the planner's tensor
+            if isinstance(data, _InPlace):  # decoded straight into the planner's tensor (header: may be None)
                 planner.commit_tensor(req, data.target)
+            elif header is None:
+                self._commit_stock(req, data, planner)
             else:
                 self._commit(req, header, data, planner)
 
@@ -1002,7 +1004,7 @@ class NvcompReader(StorageReader):
     def _load_gpu_batch(
         self, indexes: list[MetadataIndex], device: torch.device, report: Report,
         targets: Sequence[tuple[torch.Tensor, int] | None] | None = None,
-    ) -> list[tuple[MetadataIndex, ItemHeader, Any]]:
+    ) -> list[tuple[MetadataIndex, ItemHeader | None, Any]]:
         """Fetch and check several items' headers on the host, then read their chunks into pinned
         staging and copy, check (CRC32C) and decode them together on ``device``, in overlapped passes.
 
@@ -1010,35 +1012,75 @@ class NvcompReader(StorageReader):
         whole stored tensor and the planner's tensor is a dense tensor of the stored dtype and
         shape (see :func:`_decodes_into`), resolved by the caller.
         When it is on ``device`` and its size matches the header, the item is decoded straight
-        into it and comes back as ``_InPlace(tensor)`` (only the commit is left); otherwise as a
-        flat uint8 CUDA tensor.
-        """
-        from nvdcp.gpu.decoder import DecodeRequest
+        into it and comes back as ``_InPlace(tensor)`` with no header (only the commit is left);
+        otherwise with its header, as a flat uint8 CUDA tensor.
 
-        if targets is None and isinstance(indexes, _GpuBatch):
-            targets = indexes.targets
-        requests = []
-        placed: list[torch.Tensor | None] = []
+        Small records come in one read per run of nearby records; a run whose headers all pass
+        their checks goes to the decoder as columns (no object per item,
+        :mod:`nvdcp.dcp.record_columns`), the other records one request each.
+        """
         t0 = time.perf_counter()
-        stored = 0
-        places, deltas = self._places(indexes)
+        if isinstance(indexes, _GpuBatch):
+            targets = indexes.targets if targets is None else targets
+            places, deltas = indexes.places, indexes.deltas
+        else:
+            places, deltas = self._places(indexes)
+        decoder = self._gpu_decoder(device)
+        columns = ColumnBatch()
         # Small records come in one read per run of nearby records (two opens and reads per item
         # cost more than decoding it); large ones read their header, then their chunks straight
         # into pinned staging.
-        in_memory = self._records_in_memory(indexes, places)
-        # Per item: the header checked, nothing else (no torch calls: destinations were
-        # resolved on the calling thread; error text is built only when an error is raised).
+        in_memory = self._records_in_memory(indexes, places, deltas, targets, device, decoder, columns)
+        requests, placed, request_items = self._decode_requests(indexes, places, deltas, targets, device, in_memory)
+        t1 = time.perf_counter()
+        # reads, host-to-device copies, checks and decodes of the batch's passes overlap (GpuDecoder)
+        results: list[tuple[MetadataIndex, ItemHeader | None, Any]] = []
+        raw = 0
+        if len(columns):
+            columns_members = columns.members()
+            cols = columns.columns(lambda row: _LazyWhere(self, indexes[columns_members[row]]))
+            outs = decoder.decode_columns(cols)
+            raw += int(cols.raw.sum())
+            for row, (i, target, out) in enumerate(zip(columns_members, columns.destinations(), outs)):
+                if target is not None:
+                    results.append((indexes[i], None, _InPlace(target)))
+                else:
+                    results.append((indexes[i], columns.header(row), out))
+        if requests:
+            outs = decoder.decode_many(requests)
+            raw += sum(r.header.raw_nbytes for r in requests)
+            results += [
+                (indexes[i], r.header, _InPlace(target) if target is not None else out)
+                for i, r, out, target in zip(request_items, requests, outs, placed)
+            ]
+        report.add(raw, sum(length for _, _, length in places), read_s=t1 - t0, decode_s=time.perf_counter() - t1)
+        return results
+
+    def _decode_requests(
+        self, indexes: list[MetadataIndex], places: list[tuple[str, int, int]], deltas: list[bool],
+        targets: Sequence[tuple[torch.Tensor, int] | None] | None, device: torch.device,
+        in_memory: list[tuple[ItemHeader, tuple[np.ndarray, np.ndarray], np.ndarray] | None | bool],
+    ) -> tuple[list[Any], list[torch.Tensor | None], list[int]]:
+        """A decode request for each item not taken as columns (``in_memory[i]`` True), its
+        header checked against ``.metadata``, nothing else (no torch calls: destinations were
+        resolved on the calling thread; error text is built only when an error is raised)."""
+        from nvdcp.gpu.decoder import DecodeRequest
+
+        requests = []
+        placed: list[torch.Tensor | None] = []
+        items: list[int] = []
         for i, index in enumerate(indexes):
+            parsed = in_memory[i]
+            if parsed is True:
+                continue
             name, offset, length = places[i]
             where = _LazyWhere(self, index)
-            parsed = in_memory[i]
             payload = None
-            if parsed is not None:
+            if parsed is not None and parsed is not False:
                 header, table, payload = parsed
             else:
                 header = self.read_header(name, offset, length, where)  # type: ignore[arg-type]
                 table = None  # built by the decoder from the header
-            stored += length
             dtype, shape = self.expected(index)
             element_size = _element_size(dtype)
             if header.transform and header.n_planes != element_size:
@@ -1051,17 +1093,10 @@ class NvcompReader(StorageReader):
             if found is not None and found[1] == header.raw_nbytes and found[0].device == device:
                 whole = out = found[0]
             placed.append(whole)
+            items.append(i)
             fill = None if payload is not None else self._chunk_filler(name, offset, header)
             requests.append(DecodeRequest(header, dtype, where, payload=payload, fill=fill, out=out, table=table))
-        t1 = time.perf_counter()
-        # reads, host-to-device copies, checks and decodes of the batch's passes overlap (GpuDecoder)
-        outs = self._gpu_decoder(device).decode_many(requests)
-        raw = sum(r.header.raw_nbytes for r in requests)
-        report.add(raw, stored, read_s=t1 - t0, decode_s=time.perf_counter() - t1)
-        return [
-            (ix, r.header, _InPlace(target) if target is not None else out)
-            for ix, r, out, target in zip(indexes, requests, outs, placed)
-        ]
+        return requests, placed, items
 
     def _place(self, index: MetadataIndex) -> tuple[str, int, int]:
         """:meth:`record_of` with the descriptor check done once per distinct descriptor."""
@@ -1121,13 +1156,18 @@ class NvcompReader(StorageReader):
             k = j
         return runs
 
-    def _records_in_memory(self, indexes: list[MetadataIndex], places: list[tuple[str, int, int]]
-                           ) -> list[tuple[ItemHeader, tuple[np.ndarray, np.ndarray], np.ndarray] | None]:
+    def _records_in_memory(
+        self, indexes: list[MetadataIndex], places: list[tuple[str, int, int]], deltas: list[bool] | None = None,
+        targets: Sequence[tuple[torch.Tensor, int] | None] | None = None, device: torch.device | None = None,
+        decoder: Any = None, columns: ColumnBatch | None = None,
+    ) -> list[tuple[ItemHeader, tuple[np.ndarray, np.ndarray], np.ndarray] | None | bool]:
         """For each record read in a run (:meth:`_record_runs`): its header, chunk table
         (stored sizes int64, CRC32Cs uint32) and chunk bytes, every record of a run parsed and
         checked together (:func:`~nvdcp.pipeline.cpu_batch.parse_records`; one by one, naming
-        the damage, where one fails). None for records not read in a run."""
-        out: list[tuple[ItemHeader, tuple[np.ndarray, np.ndarray], np.ndarray] | None] = [None] * len(places)
+        the damage, where one fails). None for records not read in a run. With ``columns``:
+        True for the records ``columns`` took (:meth:`ColumnBatch.add_run`, which needs
+        ``deltas``, ``targets``, ``device`` and the ``decoder``)."""
+        out: list[tuple[ItemHeader, tuple[np.ndarray, np.ndarray], np.ndarray] | None | bool] = [None] * len(places)
         for run in self._record_runs(places):
             parsed = parse_records(run.buffer, run.starts, run.lengths)
             ends = (run.starts + run.lengths).tolist()
@@ -1137,8 +1177,26 @@ class NvcompReader(StorageReader):
                     header, table = _header_and_table(view[at:end], _LazyWhere(self, indexes[i]))  # type: ignore[arg-type]
                     out[i] = (header, table, run.buffer[at + header.header_bytes : end])
                 continue
+            taken = np.zeros(len(run.members), dtype=bool)
+            if columns is not None and decoder is not None and decoder.fused:
+                assert deltas is not None and device is not None
+                taken = columns.add_run(
+                    run.buffer, parsed, run.members, [self.expected(indexes[i]) for i in run.members],
+                    [deltas[i] for i in run.members],
+                    [targets[i] for i in run.members] if targets is not None else [None] * len(run.members),
+                    device, decoder.takes_whole,
+                )
+            if taken.all():
+                for i in run.members:
+                    out[i] = True
+                continue
             first = parsed.first_chunk.tolist()
-            for j, (i, header, at, end) in enumerate(zip(run.members, parsed.headers, run.starts.tolist(), ends)):
+            headers = parsed.headers
+            for j, (i, at, end) in enumerate(zip(run.members, run.starts.tolist(), ends)):
+                if taken[j]:
+                    out[i] = True
+                    continue
+                header = headers[j]
                 c0, c1 = first[j], first[j + 1]
                 out[i] = (header, (parsed.sizes[c0:c1], parsed.crcs[c0:c1]), run.buffer[at + header.header_bytes : end])
         return out
@@ -1179,8 +1237,15 @@ class NvcompReader(StorageReader):
         at least one per GPU thread when the load is big enough (:func:`_batched`). Destinations
         :meth:`_decode_devices` ``found`` for whole tensors ride with their batch."""
         budget = self._per_device(devices, order, lambda device: self.gpu.gpu_budget(device, load=True) // (2 * self.gpu_threads))
-        batches = _batched([(ix, devices[ix], self._place(ix)[2]) for ix in order], budget, self.gpu_threads)
-        return [(device, _GpuBatch(items, [found.get(ix) for ix in items])) for device, items in batches]
+        places, deltas = self._places(order)
+        batches = _batched([(k, devices[ix], place[2]) for k, (ix, place) in enumerate(zip(order, places))],
+                           budget, self.gpu_threads)
+        out = []
+        for device, at in batches:  # positions in order
+            items = [order[k] for k in at]
+            out.append((device, _GpuBatch(items, [found.get(ix) for ix in items], [places[k] for k in at],
+                                          [deltas[k] for k in at])))
+        return out
 
     @staticmethod
     def _per_device(devices: dict[MetadataIndex, torch.device | None], indexes: list[MetadataIndex],
@@ -1585,11 +1650,15 @@ class _RecordRun:
 
 class _GpuBatch(list):  # type: ignore[type-arg]
     """A GPU batch's indexes, with each item's destination (tensor, its size in bytes) when
-    decoded straight into it (None: decoded to a new tensor)."""
+    decoded straight into it (None: decoded to a new tensor), and each item's record and whether
+    it is a delta, as :meth:`NvcompReader._places` gives them (found when the batches were cut)."""
 
-    def __init__(self, indexes: list[MetadataIndex], targets: list[tuple[torch.Tensor, int] | None]) -> None:
+    def __init__(self, indexes: list[MetadataIndex], targets: list[tuple[torch.Tensor, int] | None],
+                 places: list[tuple[str, int, int]], deltas: list[bool]) -> None:
         super().__init__(indexes)
         self.targets = targets
+        self.places = places
+        self.deltas = deltas
 
 
 #: ``decode_device="auto"``: records bound for host memory up to this size, stored with a CPU
@@ -1881,8 +1950,8 @@ def _element_size(dtype: torch.dtype | None) -> int:
 MIN_GPU_BATCH_BYTES = 32 << 20
 
 
-def _batched(items: list[tuple[MetadataIndex, torch.device | None, int]], budget: dict[torch.device, int],
-             threads: int) -> list[tuple[torch.device, list[MetadataIndex]]]:
+def _batched(items: list[tuple[_K, torch.device | None, int]], budget: dict[torch.device, int],
+             threads: int) -> list[tuple[torch.device, list[_K]]]:
     """Cut ``(index, device, size)`` rows, in order, into batches per device of even items and
     bytes: as few as hold at most that device's ``budget`` bytes and ``MAX_GPU_BATCH_ITEMS``
     items each, but ``threads`` of them when the device's bytes allow (not below
@@ -1897,7 +1966,7 @@ def _batched(items: list[tuple[MetadataIndex, torch.device | None, int]], budget
         total[0] += size
         total[1] += 1
     shares = {device: _batch_share(nbytes, count, budget[device], threads) for device, (nbytes, count) in totals.items()}
-    batches: list[tuple[torch.device, list[MetadataIndex]]] = []
+    batches: list[tuple[torch.device, list[_K]]] = []
     open_: dict[torch.device, list[Any]] = {}  # device: [members, bytes, bytes before them, batches cut]
     for index, device, size in items:
         assert device is not None

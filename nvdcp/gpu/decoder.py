@@ -26,6 +26,8 @@ the caller's destination tensors when given (``DecodeRequest.out``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,9 +39,11 @@ import torch
 from nvdcp.codecs import codec_name
 from nvdcp.errors import CorruptCheckpointError
 from nvdcp.format.crc import checksum_ranges
+from nvdcp.format.dtypes import code_dtype
 from nvdcp.format.header import MAX_PLANES, TRANSFORM_BYTEPLANES, ItemHeader
 from nvdcp.gpu import crc32c
 from nvdcp.gpu.allocator import install_allocator
+from nvdcp.gpu.columns import RecordColumns
 from nvdcp.gpu.merge import PLANE_COUNTS, merge_available, merge_rows
 from nvdcp.gpu.nvcomp_codecs import CodecCache, typed_data_type
 from nvdcp.gpu.pinned import PinnedPool
@@ -142,10 +146,34 @@ def _chunk_table(header: ItemHeader) -> tuple[np.ndarray, np.ndarray]:
 
 
 @dataclass(eq=False)
+class _Owners:
+    """Which item and chunk each slot of a pass holds, for error messages only: slot ``k`` holds
+    chunk ``chunk[k]`` (of ``planes[k]`` planes per block) of item ``item[k]``, named by
+    ``name(item[k])``."""
+
+    item: np.ndarray
+    chunk: np.ndarray
+    planes: np.ndarray
+    name: Callable[[int], Any]
+
+    def where(self, slot: int) -> tuple[Any, int, int]:
+        """The slot's item name, chunk index and planes per block."""
+        return self.name(int(self.item[slot])), int(self.chunk[slot]), int(self.planes[slot])
+
+    def all(self) -> str:
+        """The pass's items, named for an error about the whole pass."""
+        first, last = int(self.item[0]), int(self.item[-1])
+        count = len(np.unique(self.item)) if first != last else 1
+        return str(self.name(first)) if count == 1 else f"{count} items ({self.name(first)}, ...)"
+
+
+@dataclass(eq=False)
 class _Pass:
     """One staging buffer's worth of chunks, from the host read to nvCOMP's size check."""
 
-    segments: list[_Segment]
+    segments: list[_Segment] | None  # None: a pass of record columns (merged by the kernel only)
+    owners: _Owners
+    chunk_bytes: int
     stride: int
     staging: torch.Tensor  # pinned; released once the upload is done
     stored: np.ndarray  # stored bytes per slot
@@ -229,13 +257,86 @@ class GpuDecoder:
         allows; returns each item's raw bytes (its ``out`` when given), complete on return."""
         # new outputs on the caller's stream (it uses them after this returns), one allocation
         outs = self._outputs(requests)
-        passes = self._plan(requests, outs)
+        passes = [functools.partial(self._stage, segments) for segments in self._plan(requests, outs)]
         if self._cuda:
             # destinations may have been written on the caller's stream (e.g. zeroed)
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with self._on_stream():
             self._run(passes)
         return outs
+
+    def takes_whole(self, n_chunks: np.ndarray, chunk_bytes: np.ndarray) -> np.ndarray:
+        """Which items of ``n_chunks`` chunks of ``chunk_bytes`` fit one pass whole: those
+        :meth:`decode_columns` takes (the others go through :meth:`decode_many`, which cuts an
+        item into block ranges). False everywhere unless the fused path runs here."""
+        if not self.fused:
+            return np.zeros(len(n_chunks), dtype=bool)
+        return n_chunks * 2 * (-(-chunk_bytes // SLOT_ALIGN) * SLOT_ALIGN) <= self.budget
+
+    def decode_columns(self, cols: RecordColumns) -> list[torch.Tensor | None]:
+        """Decode records given as columns (every item whole in one pass: :meth:`takes_whole`),
+        each into ``cols.out_addr[i]`` or, where that is 0, a new flat uint8 tensor returned at
+        ``i`` (None where the caller's memory received it); complete on return. The caller keeps
+        the memory at the addresses it gave alive until then.
+
+        What :meth:`decode_many` does per pass, with the per-item work done by numpy over the
+        columns: many small records cost a few microseconds each instead of tens."""
+        assert self.fused, "record columns are decoded by the fused path (see takes_whole)"
+        k = len(cols.raw)
+        planes, transform = cols.n_planes, cols.transform
+        wrong = np.flatnonzero(~np.isin(planes, PLANE_COUNTS) | ((transform != TRANSFORM_BYTEPLANES) & (planes != 1)))
+        if len(wrong):
+            i = int(wrong[0])
+            raise CorruptCheckpointError(
+                f"{cols.where(i)}: {int(planes[i])} planes with transform {int(transform[i])} cannot be decoded"
+            )
+        outs: list[torch.Tensor | None] = [None] * k
+        fresh = np.flatnonzero(cols.out_addr == 0)
+        if len(fresh):
+            sizes = cols.raw[fresh]
+            room = -(-sizes // SLOT_ALIGN) * SLOT_ALIGN  # aligned starts: the caller views each as its dtype
+            starts = np.cumsum(room) - room
+            block = torch.empty(max(1, int(room.sum())), dtype=torch.uint8, device=self.device)
+            cols = dataclasses.replace(cols, out_addr=cols.out_addr.copy())
+            cols.out_addr[fresh] = block.data_ptr() + starts
+            for i, at, n in zip(fresh.tolist(), starts.tolist(), sizes.tolist()):
+                outs[i] = block[at : at + n]
+        rows = self._plane_rows(cols)
+        passes = [functools.partial(self._stage_columns, cols, sel, rows) for sel in self._plan_columns(cols)]
+        if self._cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with self._on_stream():
+            self._run(passes)
+        return outs
+
+    def _plane_rows(self, cols: RecordColumns) -> np.ndarray:
+        """:meth:`_plane_row` of every item, asked once per distinct (plane codecs, dtype)."""
+        key = np.column_stack([cols.codecs.astype(np.int64), cols.n_planes, cols.dtype_codes])
+        distinct, inverse = np.unique(key, axis=0, return_inverse=True)
+        rows = [self._plane_row(tuple(u[: u[MAX_PLANES]]), None if u[-1] < 0 else code_dtype(u[-1], ""))
+                for u in distinct.tolist()]
+        return np.asarray(rows, dtype=np.int64)[inverse.reshape(-1)]
+
+    def _plan_columns(self, cols: RecordColumns) -> list[np.ndarray]:
+        """The items of ``cols`` that hold chunks, in order, cut into passes of at most the
+        budget and of one chunk size each (whole items: :meth:`takes_whole`)."""
+        n_chunks = cols.first_chunk[1:] - cols.first_chunk[:-1]
+        take = np.flatnonzero(n_chunks > 0)
+        c = cols.chunk_bytes[take]
+        cost = n_chunks[take] * 2 * (-(-c // SLOT_ALIGN) * SLOT_ALIGN)
+        if (cost > self.budget).any():
+            raise ValueError("decode_columns: an item does not fit one pass (see takes_whole)")
+        passes: list[np.ndarray] = []
+        start, used, budget = 0, 0, self.budget
+        c_list, cost_list = c.tolist(), cost.tolist()
+        for i, (ci, cost_i) in enumerate(zip(c_list, cost_list)):
+            if i > start and (used + cost_i > budget or ci != c_list[start]):
+                passes.append(take[start:i])
+                start, used = i, 0
+            used += cost_i
+        if start < len(take):
+            passes.append(take[start:])
+        return passes
 
     def _on_stream(self) -> contextlib.AbstractContextManager[Any]:
         return torch.cuda.stream(self.stream) if self._cuda else contextlib.nullcontext()
@@ -311,13 +412,15 @@ class GpuDecoder:
         self._decode(uploaded)
         return uploaded
 
-    def _run(self, passes: list[list[_Segment]]) -> None:
+    def _run(self, passes: list[Callable[[], _Pass]]) -> None:
+        """Stage each pass (``passes[k]()`` reads it into a staging buffer), upload and check it
+        while the host stages the next, then decode it."""
         uploaded: _Pass | None = None  # copied in, its check queued, not decoded yet
         decoding: _Pass | None = None  # decode queued, nvCOMP's sizes not checked yet
         held: list[_Pass] = []
         try:
-            for segments in passes:
-                staged = self._stage(segments)
+            for stage in passes:
+                staged = stage()
                 held.append(staged)
                 if uploaded is not None:
                     decoding = self._decode_after(uploaded, decoding, held)
@@ -360,7 +463,6 @@ class GpuDecoder:
 
     def _stage(self, segments: list[_Segment]) -> _Pass:
         c = segments[0].req.header.chunk_bytes
-        stride = _slot_stride(c)
         # per segment: python scalars and one slice of its chunk table; per slot: numpy
         stored_l, crc_l, counts, firsts, planes, plane_bytes, rows = [], [], [], [], [], [], []
         for seg in segments:
@@ -376,35 +478,17 @@ class GpuDecoder:
             rows.append(self._plane_row(h.plane_codecs, seg.req.dtype))
         stored = np.concatenate(stored_l) if len(stored_l) > 1 else stored_l[0]
         expected = np.concatenate(crc_l) if len(crc_l) > 1 else crc_l[0]
-        n = len(stored)
         per_seg = np.asarray(counts, dtype=np.int64)
-        seg_of = np.repeat(np.arange(len(segments)), per_seg)
-        j = np.arange(n, dtype=np.int64) - np.repeat(np.cumsum(per_seg) - per_seg, per_seg)
-        p_slot = np.asarray(planes, dtype=np.int64)[seg_of]
-        block = np.asarray(firsts, dtype=np.int64)[seg_of] + j // p_slot
-        plane = j % p_slot
-        raw = np.minimum(c, np.asarray(plane_bytes, dtype=np.int64)[seg_of] - block * c)
-        if self._key_table is None:
-            self._key_table = np.asarray(self._rows, dtype=np.int64).reshape(-1, MAX_PLANES)
-        key = self._key_table[np.asarray(rows, dtype=np.int64)[seg_of], plane]
-        over = np.flatnonzero((stored > raw) | ((key < 0) & (stored != raw)))
-        if len(over):  # checked before reading: a chunk never spills into the next slot
-            seg, i = _slot_owner(segments, int(over[0]))
-            raise CorruptCheckpointError(
-                f"{seg.req.where}: chunk {i} stores {int(stored[over[0]])} bytes for {int(raw[over[0]])} raw"
-            )
-        compressed = stored < raw
-        groups = {self._key_names[int(k)]: np.flatnonzero(compressed & (key == k))
-                  for k in np.unique(key[compressed]).tolist()}
-        raw_slots = np.flatnonzero(~compressed)
-        pas = _Pass(segments, stride, None, stored, raw, expected, groups, raw_slots)  # type: ignore[arg-type]
-        if self.fused:
-            staging = self._lay_out_fused(pas, seg_of, block, plane, p_slot, compressed)
-        else:
-            staging = self.pinned.acquire(n * stride)
-        pas.staging = staging
+        seg_of, j = _slots_of(per_seg)
+        p_seg = np.asarray(planes, dtype=np.int64)
+        chunk = np.asarray(firsts, dtype=np.int64)[seg_of] * p_seg[seg_of] + j
+        owners = _Owners(seg_of, chunk, p_seg[seg_of], lambda k: segments[k].req.where)
+        out_addr = np.fromiter((seg.out_addr for seg in segments), dtype=np.int64, count=len(segments))
+        pas = self._new_pass(segments, owners, seg_of, c, stored, expected, p_seg, np.asarray(plane_bytes, dtype=np.int64),
+                             np.asarray(rows, dtype=np.int64), out_addr)
+        n, stride = len(stored), pas.stride
         try:
-            host = staging.numpy().data
+            host = pas.staging.numpy().data
             starts = np.arange(n, dtype=np.int64) * stride
             in_memory: list[tuple[int, _Segment]] = []  # (first slot, segment) of payloads
             k = 0
@@ -420,22 +504,82 @@ class GpuDecoder:
                     seg.req.read_chunks(seg.first * seg.req.header.n_planes, seg.sizes, slots)
                 k += m
             if in_memory:
-                _copy_payloads(staging.numpy(), starts, stored, in_memory)
-            if not self.device_crc:
-                got = checksum_ranges(staging.numpy(), np.arange(n, dtype=np.int64) * stride, stored)
-                bad = np.flatnonzero(got != expected)
-                if len(bad):
-                    _raise_checksum(segments, int(bad[0]))
+                _copy_payloads(pas.staging.numpy(), starts, stored, in_memory)
+            self._check_on_host(pas)
         except BaseException:
             self._release(pas)
             raise
         return pas
 
+    def _stage_columns(self, cols: RecordColumns, sel: np.ndarray, rows: np.ndarray) -> _Pass:
+        """:meth:`_stage` for the records ``sel`` of ``cols`` (whole items, one chunk size): the
+        slot table from the columns with numpy, the chunks copied in with one native call."""
+        c = int(cols.chunk_bytes[sel[0]])
+        counts = cols.first_chunk[sel + 1] - cols.first_chunk[sel]
+        seg_of, j = _slots_of(counts)
+        ids = cols.first_chunk[sel][seg_of] + j  # the pass's chunks, as rows of the columns' chunk table
+        p_seg = cols.n_planes[sel]
+        owners = _Owners(sel[seg_of], j, p_seg[seg_of], cols.where)
+        pas = self._new_pass(None, owners, seg_of, c, cols.sizes[ids], cols.crcs[ids], p_seg, cols.raw[sel] // p_seg,
+                             rows[sel], cols.out_addr[sel])
+        try:
+            n = len(ids)
+            copy_ranges(pas.staging.numpy(), np.arange(n, dtype=np.int64) * pas.stride, cols.buffers,
+                        cols.chunk_src[ids], cols.chunk_at[ids], pas.stored)
+            self._check_on_host(pas)
+        except BaseException:
+            self._release(pas)
+            raise
+        return pas
+
+    def _new_pass(self, segments: list[_Segment] | None, owners: _Owners, seg: np.ndarray, c: int, stored: np.ndarray,
+                  expected: np.ndarray, p_seg: np.ndarray, plane_bytes: np.ndarray, rows: np.ndarray,
+                  out_addr: np.ndarray) -> _Pass:
+        """A pass's slot table (per slot: its block, plane, raw bytes, codec) from its items'
+        planes, bytes per plane, plane-key rows and destination addresses (``seg``: each slot's
+        item, counted within the pass), and its staging buffer
+        (with the device's tables in its tail, when fused). Stored sizes are checked against raw
+        sizes before anything is read: a chunk never spills into the next slot."""
+        stride = _slot_stride(c)
+        n = len(stored)
+        chunk = owners.chunk
+        p_slot = p_seg[seg]
+        block = chunk // p_slot
+        plane = chunk % p_slot
+        raw = np.minimum(c, plane_bytes[seg] - block * c)
+        if self._key_table is None:
+            self._key_table = np.asarray(self._rows, dtype=np.int64).reshape(-1, MAX_PLANES)
+        key = self._key_table[rows[seg], plane]
+        over = np.flatnonzero((stored > raw) | ((key < 0) & (stored != raw)))
+        if len(over):
+            where, i, _ = owners.where(int(over[0]))
+            raise CorruptCheckpointError(f"{where}: chunk {i} stores {int(stored[over[0]])} bytes for {int(raw[over[0]])} raw")
+        compressed = stored < raw
+        groups = {self._key_names[int(k)]: np.flatnonzero(compressed & (key == k))
+                  for k in np.unique(key[compressed]).tolist()}
+        pas = _Pass(segments, owners, c, stride, None, stored, raw, expected, groups,  # type: ignore[arg-type]
+                    np.flatnonzero(~compressed))
+        if self.fused:
+            pas.staging = self._lay_out_fused(pas, seg, block, plane, p_slot, compressed, out_addr)
+        else:
+            pas.staging = self.pinned.acquire(n * stride)
+        return pas
+
+    def _check_on_host(self, pas: _Pass) -> None:
+        """The chunks' CRC32Cs on the host, where the device does not check them."""
+        if self.device_crc:
+            return
+        n = len(pas.stored)
+        got = checksum_ranges(pas.staging.numpy(), np.arange(n, dtype=np.int64) * pas.stride, pas.stored)
+        bad = np.flatnonzero(got != pas.expected)
+        if len(bad):
+            _raise_checksum(pas, int(bad[0]))
+
     def _lay_out_fused(self, p: _Pass, seg_of: np.ndarray, block: np.ndarray, plane: np.ndarray,
-                       p_slot: np.ndarray, compressed: np.ndarray) -> torch.Tensor:
+                       p_slot: np.ndarray, compressed: np.ndarray, out_addr: np.ndarray) -> torch.Tensor:
         """The pass's device buffer and its staging buffer, whose tail holds the tables the device
         needs (checksum ranges and expected values, the merge table), written here."""
-        n, stride, c = len(p.stored), p.stride, p.segments[0].req.header.chunk_bytes
+        n, stride, c = len(p.stored), p.stride, p.chunk_bytes
         firsts = np.flatnonzero(plane == 0)  # each block's first slot
         p_block = p_slot[firsts]
         kinds = np.unique(p_block).tolist()
@@ -463,7 +607,6 @@ class GpuDecoder:
             base = p.dev.data_ptr()
             dec_base = p.dec.data_ptr() if p.dec is not None else base
             src = np.where(compressed, dec_base, base) + np.arange(n, dtype=np.int64) * stride
-            out_addr = np.asarray([seg.out_addr for seg in p.segments], dtype=np.int64)
             for planes in kinds:
                 sel = sel_of[planes]
                 rows = len(sel)
@@ -514,7 +657,7 @@ class GpuDecoder:
         p.checked.synchronize()
         self._release(p)  # the upload is done: the staging buffer may be reused
         if p.bad is not None and int(p.bad[0]):
-            _raise_checksum(p.segments, int(p.bad[1]))
+            _raise_checksum(p, int(p.bad[1]))
 
     def _release(self, p: _Pass) -> None:
         if p.staging is not None:
@@ -531,7 +674,7 @@ class GpuDecoder:
     def _decode_groups(self, p: _Pass, src_buf: torch.Tensor, dst_buf: torch.Tensor) -> None:
         """One nvCOMP call per codec over the pass's compressed slots, ``src_buf`` -> ``dst_buf``
         (flat, slot ``k`` at ``k * stride`` in both)."""
-        cache = self._codec_cache(p.segments[0].req.header.chunk_bytes)
+        cache = self._codec_cache(p.chunk_bytes)
         for (name, data_type), ks in p.groups.items():
             codec, _cap = cache.get(name, data_type)
             starts = (ks * p.stride).tolist()
@@ -540,7 +683,7 @@ class GpuDecoder:
             try:
                 result = codec.decode(src, out=dst)
             except Exception as exc:  # nvCOMP reports bad streams as RuntimeError/ValueError
-                raise CorruptCheckpointError(f"{_where(p.segments)}: nvCOMP {name} decode failed: {exc}") from exc
+                raise CorruptCheckpointError(f"{p.owners.all()}: nvCOMP {name} decode failed: {exc}") from exc
             p.decoded.append((name, ks, result))
             p.keep += [src, dst]
 
@@ -557,8 +700,8 @@ class GpuDecoder:
                            planes, longest)
             p.dev = p.dec = None  # stream-ordered: reused only by work queued after the merge
             return
-        assert p.up is not None
-        c = p.segments[0].req.header.chunk_bytes
+        assert p.up is not None and p.segments is not None  # record columns go through the fused path only
+        c = p.chunk_bytes
         up = p.up
         if not p.groups:
             dec = up
@@ -580,11 +723,11 @@ class GpuDecoder:
             try:
                 got = np.asarray(result.buffer_sizes, dtype=np.int64)
             except Exception as exc:
-                raise CorruptCheckpointError(f"{_where(p.segments)}: nvCOMP {name} decode failed: {exc}") from exc
+                raise CorruptCheckpointError(f"{p.owners.all()}: nvCOMP {name} decode failed: {exc}") from exc
             bad = np.flatnonzero(got != p.raw[ks])
             if len(bad):
-                seg, i = _slot_owner(p.segments, int(ks[bad[0]]))
-                raise CorruptCheckpointError(f"{seg.req.where}: chunk {i}: a {name} chunk decoded to the wrong size on the GPU")
+                where, i, _ = p.owners.where(int(ks[bad[0]]))
+                raise CorruptCheckpointError(f"{where}: chunk {i}: a {name} chunk decoded to the wrong size on the GPU")
         p.decoded.clear()
         p.keep.clear()
 
@@ -594,24 +737,16 @@ def _slot_stride(chunk_bytes: int) -> int:
     return -(-chunk_bytes // SLOT_ALIGN) * SLOT_ALIGN
 
 
-def _slot_owner(segments: list[_Segment], slot: int) -> tuple[_Segment, int]:
-    """The segment holding a pass's ``slot``, and that slot's chunk index in its item."""
-    for seg in segments:
-        if slot < seg.slots:
-            return seg, seg.first * seg.req.header.n_planes + slot
-        slot -= seg.slots
-    raise IndexError(slot)
+def _slots_of(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For items of ``counts[i]`` slots each, back to back: each slot's item and its index there."""
+    item = np.repeat(np.arange(len(counts)), counts)
+    return item, np.arange(len(item), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
-def _raise_checksum(segments: list[_Segment], slot: int) -> None:
-    seg, i = _slot_owner(segments, slot)
-    block, plane = divmod(i, seg.req.header.n_planes)
-    raise CorruptCheckpointError(f"{seg.req.where}: chunk {i} (block {block}, plane {plane}) checksum mismatch")
-
-
-def _where(segments: list[_Segment]) -> str:
-    names = list(dict.fromkeys(seg.req.where for seg in segments))
-    return names[0] if len(names) == 1 else f"{len(names)} items ({names[0]}, ...)"
+def _raise_checksum(p: _Pass, slot: int) -> None:
+    where, i, planes = p.owners.where(slot)
+    block, plane = divmod(i, planes)
+    raise CorruptCheckpointError(f"{where}: chunk {i} (block {block}, plane {plane}) checksum mismatch")
 
 
 def _merge(dec: torch.Tensor, header: ItemHeader, first: int, last: int, out: torch.Tensor) -> None:

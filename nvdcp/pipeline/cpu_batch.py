@@ -410,15 +410,67 @@ assert _FIXED.itemsize == ITEM_FIXED_SIZE
 
 
 @dataclass
-class ParsedRecords:
-    """Records of one buffer parsed together: each header, and every chunk of them all (in
-    record order): stored size, CRC32C, offset in the buffer, and the record it belongs to."""
+class HeaderColumns:
+    """The header fields of records parsed together, one row per record (int64 unless named);
+    shapes and plane codecs of them all back to back (record ``i``'s from ``shape_first[i]``
+    and ``codec_first[i]``)."""
 
-    headers: list[ItemHeader]
+    kind: np.ndarray
+    dtype_code: np.ndarray
+    transform: np.ndarray
+    n_planes: np.ndarray
+    ndim: np.ndarray
+    chunk_bytes: np.ndarray
+    raw: np.ndarray
+    header_bytes: np.ndarray
+    stored_crc: np.ndarray  # uint32
+    delta: np.ndarray  # bool
+    base_digest: np.ndarray  # uint32
+    delta_kind: np.ndarray  # uint32
+    shapes: np.ndarray  # uint64
+    shape_first: np.ndarray  # one more than records
+    codecs: np.ndarray  # uint8
+    codec_first: np.ndarray  # one more than records
+
+    def codec_matrix(self, width: int) -> np.ndarray:
+        """Plane codecs as a ``(records, width)`` uint8 matrix, zero past each record's planes."""
+        out = np.zeros((len(self.n_planes), width), dtype=np.uint8)
+        item = np.repeat(np.arange(len(self.n_planes)), self.n_planes)
+        out[item, np.arange(len(item)) - self.codec_first[:-1][item]] = self.codecs
+        return out
+
+
+@dataclass
+class ParsedRecords:
+    """Records of one buffer parsed together: their header fields as columns, and every chunk
+    of them all (in record order): stored size, CRC32C, offset in the buffer, and the record it
+    belongs to. :attr:`headers` builds an :class:`ItemHeader` per record, once, when asked."""
+
+    fields: HeaderColumns
+    table: np.ndarray  # (chunks, 2) <u4: stored size and CRC32C, as in the records
     sizes: np.ndarray  # int64
     crcs: np.ndarray  # uint32
     starts: np.ndarray  # int64, in the buffer
     first_chunk: np.ndarray  # record i's chunks are [first_chunk[i], first_chunk[i + 1])
+
+    @functools.cached_property
+    def headers(self) -> list[ItemHeader]:
+        f, table = self.fields, self.table
+        shapes, codecs = f.shapes.tolist(), f.codecs.tolist()
+        headers = []
+        for (kd, code, tf, c, r, h, crc, s0, s1, p0, p1, c0, c1, is_delta, digest, dk) in zip(
+            f.kind.tolist(), f.dtype_code.tolist(), f.transform.tolist(), f.chunk_bytes.tolist(), f.raw.tolist(),
+            f.header_bytes.tolist(), f.stored_crc.tolist(), f.shape_first[:-1].tolist(), f.shape_first[1:].tolist(),
+            f.codec_first[:-1].tolist(), f.codec_first[1:].tolist(), self.first_chunk[:-1].tolist(),
+            self.first_chunk[1:].tolist(), f.delta.tolist(), f.base_digest.tolist(), f.delta_kind.tolist(),
+        ):
+            headers.append(ItemHeader(
+                kind=kd, dtype_code=code, shape=tuple(shapes[s0:s1]), raw_nbytes=r, transform=tf,
+                plane_codecs=tuple(codecs[p0:p1]), chunks=ChunkTable.of_array(table[c0:c1]),
+                chunk_bytes=c, base_digest=digest if is_delta else None, delta_kind=dk if is_delta else 0,
+                header_bytes=h, stored_crc=crc,
+            ))
+        return headers
 
 
 def _gather_fields(buf: np.ndarray, at: np.ndarray, width: int) -> np.ndarray:
@@ -489,25 +541,13 @@ def parse_records(buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> P
         return None
     chunk_item = np.repeat(np.arange(k), n_chunks)
     chunk_starts = (starts + header_bytes - size_cum[first[:-1]])[chunk_item] + size_cum[:-1]
-    shape_values = np.ascontiguousarray(_gather_fields(buf, _ragged(starts + shape_at, ndim, 8), 8))
-    shapes = shape_values.view("<u8").reshape(-1).tolist()
-    codecs = buf[_ragged(starts + shape_at + 8 * ndim, n_planes, 1)].tolist()
-    headers = []
-    at_shape = at_codec = 0
-    for (kd, code, tf, ne, nd, c, r, h, crc, c0, c1, is_delta, digest, dk) in zip(
-        kind.tolist(), fixed["dtype"].tolist(), transform.tolist(), n_planes.tolist(), ndim.tolist(), cb.tolist(),
-        raw.tolist(), header_bytes.tolist(), stored_crc.tolist(), first[:-1].tolist(), first[1:].tolist(),
-        delta.tolist(), base_digest.tolist(), delta_kind.tolist(),
-    ):
-        headers.append(ItemHeader(
-            kind=kd, dtype_code=code, shape=tuple(shapes[at_shape : at_shape + nd]), raw_nbytes=r, transform=tf,
-            plane_codecs=tuple(codecs[at_codec : at_codec + ne]), chunks=ChunkTable.of_array(table[c0:c1]),
-            chunk_bytes=c, base_digest=digest if is_delta else None, delta_kind=dk if is_delta else 0,
-            header_bytes=h, stored_crc=crc,
-        ))
-        at_shape += nd
-        at_codec += ne
-    return ParsedRecords(headers, sizes, table[:, 1].astype(np.uint32), chunk_starts, first)
+    shapes = np.ascontiguousarray(_gather_fields(buf, _ragged(starts + shape_at, ndim, 8), 8)).view("<u8").reshape(-1)
+    codecs = buf[_ragged(starts + shape_at + 8 * ndim, n_planes, 1)]
+    fields = HeaderColumns(
+        kind, fixed["dtype"].astype(np.int64), transform, n_planes, ndim, cb, raw, header_bytes, stored_crc, delta,
+        base_digest, delta_kind, shapes, _exclusive_cumsum(ndim), codecs, _exclusive_cumsum(n_planes),
+    )
+    return ParsedRecords(fields, table, sizes, table[:, 1].astype(np.uint32), chunk_starts, first)
 
 
 @functools.cache

@@ -157,6 +157,8 @@ def main() -> None:
                 assert torch.equal(got, want), (codec, budget, key)
             for key, dest in dests:
                 assert torch.equal(dest, sd[key]), (codec, budget, key)
+        if not legacy:
+            _check_columns(dec_mod, records, sd, pool)
         # a damaged chunk is caught before decoding and named
         key = "f32"
         rec = bytearray(records[key])
@@ -174,6 +176,65 @@ def main() -> None:
             raise AssertionError("damaged chunk not caught")
         assert pool.out == 0
         print(f"{codec}: ok ({_FakeCodec.calls} codec calls)")
+
+
+def _check_columns(dec_mod: Any, records: dict[str, bytes], sd: dict[str, torch.Tensor], pool: Any) -> None:
+    """The same records as columns (all in one buffer, parsed together): decoded into the given
+    destinations and new tensors alike, in several passes and in one; a record whose header
+    disagrees with what is expected is not taken; a damaged chunk is named."""
+    from nvdcp.dcp.record_columns import ColumnBatch
+    from nvdcp.errors import CorruptCheckpointError
+    from nvdcp.pipeline.cpu_batch import parse_records
+
+    keys = list(records)
+    blob = np.frombuffer(b"".join(records.values()), dtype=np.uint8)
+    lengths = np.asarray([len(records[k]) for k in keys], dtype=np.int64)
+    starts = np.cumsum(lengths) - lengths
+    expected = [(sd[k].dtype, tuple(sd[k].shape)) for k in keys]
+    for budget in (1, 64 << 20):
+        decoder = dec_mod.GpuDecoder(torch.device("cpu"), budget_bytes=budget, pinned=pool)
+        parsed = parse_records(blob, starts, lengths)
+        assert parsed is not None
+        dests = {k: torch.zeros_like(sd[k]) for i, k in enumerate(keys) if i % 2}
+        targets = [(dests[k], dests[k].nbytes) if k in dests else None for k in keys]
+        batch = ColumnBatch()
+        taken = batch.add_run(blob, parsed, list(range(len(keys))), expected, [False] * len(keys), targets,
+                              torch.device("cpu"), decoder.takes_whole)
+        assert taken.any() and (budget > 1 or not taken.all()), (budget, taken)
+        members = batch.members()
+        outs = decoder.decode_columns(batch.columns(lambda row: keys[members[row]]))
+        assert pool.out == 0, "staging buffers leaked"
+        for i, target, out in zip(members, batch.destinations(), outs):
+            key = keys[i]
+            got = target if target is not None else out.view(sd[key].dtype).view(sd[key].shape)
+            assert torch.equal(got, sd[key]), (budget, key)
+        # a shape .metadata does not have: nothing of the run is taken
+        wrong = list(expected)
+        wrong[0] = (wrong[0][0], (1,) + wrong[0][1])
+        again = ColumnBatch()
+        assert not again.add_run(blob, parsed, list(range(len(keys))), wrong, [False] * len(keys), targets,
+                                 torch.device("cpu"), decoder.takes_whole).any()
+        assert len(again) == 0
+    # a damaged chunk is caught before decoding and named
+    key = "f32"
+    j = keys.index(key)
+    damaged = blob.copy()
+    damaged[int(starts[j]) + int(lengths[j]) - 7] ^= 0x10  # inside its last chunk
+    parsed = parse_records(damaged, starts, lengths)
+    assert parsed is not None
+    decoder = dec_mod.GpuDecoder(torch.device("cpu"), budget_bytes=1, pinned=pool)
+    batch = ColumnBatch()
+    batch.add_run(damaged, parsed, list(range(len(keys))), expected, [False] * len(keys), [None] * len(keys),
+                  torch.device("cpu"), decoder.takes_whole)
+    members = batch.members()
+    assert j in members
+    try:
+        decoder.decode_columns(batch.columns(lambda row: f"item {keys[members[row]]}"))
+    except CorruptCheckpointError as exc:
+        assert "item f32: chunk " in str(exc) and "checksum mismatch" in str(exc), exc
+    else:
+        raise AssertionError("damaged chunk not caught")
+    assert pool.out == 0
 
 
 if __name__ == "__main__":
