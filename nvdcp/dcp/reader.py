@@ -1104,12 +1104,14 @@ class NvcompReader(StorageReader):
         self._check_descriptor(info, index)
         return info.relative_path, info.offset, info.length
 
-    def _places(self, indexes: list[MetadataIndex]) -> tuple[list[tuple[str, int, int]], list[bool]]:
-        """:meth:`_place` of each item, and whether ``.metadata`` says it is a delta record."""
+    def _places(self, indexes: list[MetadataIndex], records: dict[MetadataIndex, _StorageInfo] | None = None,
+                ) -> tuple[list[tuple[str, int, int]], list[bool]]:
+        """:meth:`_place` of each item, and whether ``.metadata`` says it is a delta record
+        (``records``: the items' storage records, when the caller has them)."""
         places: list[tuple[str, int, int]] = []
         deltas: list[bool] = []
         for index in indexes:
-            info = self._record(index)
+            info = records[index] if records is not None else self._record(index)
             self._check_descriptor(info, index)
             places.append((info.relative_path, info.offset, info.length))
             deltas.append(self._descriptor_kind(info)[1])
@@ -1230,15 +1232,15 @@ class NvcompReader(StorageReader):
         return fill
 
     def _gpu_batches(
-        self, order: list[MetadataIndex], devices: dict[MetadataIndex, torch.device | None],
-        found: dict[MetadataIndex, tuple[torch.Tensor, int]],
+        self, order: list[MetadataIndex], order_devices: list[torch.device], found: dict[MetadataIndex, tuple[torch.Tensor, int]],
+        records: dict[MetadataIndex, _StorageInfo] | None = None,
     ) -> list[tuple[torch.device, list[MetadataIndex]]]:
         """Group GPU-decoded items into batches whose stored size fits half a thread's budget,
         at least one per GPU thread when the load is big enough (:func:`_batched`). Destinations
         :meth:`_decode_devices` ``found`` for whole tensors ride with their batch."""
-        budget = self._per_device(devices, order, lambda device: self.gpu.gpu_budget(device, load=True) // (2 * self.gpu_threads))
-        places, deltas = self._places(order)
-        batches = _batched([(k, devices[ix], place[2]) for k, (ix, place) in enumerate(zip(order, places))],
+        budget = {device: self.gpu.gpu_budget(device, load=True) // (2 * self.gpu_threads) for device in set(order_devices)}
+        places, deltas = self._places(order, records)
+        batches = _batched([(k, device, place[2]) for k, (device, place) in enumerate(zip(order_devices, places))],
                            budget, self.gpu_threads)
         out = []
         for device, at in batches:  # positions in order
@@ -1304,7 +1306,13 @@ class NvcompReader(StorageReader):
         run: list[MetadataIndex] = []
         run_bytes = 0
         batcher = _CpuBatcher(tasks)
+        on_gpu: list[MetadataIndex] = []
+        gpu_devices: list[torch.device] = []
         for index in order:
+            device = devices[index]
+            if device is not None:
+                on_gpu.append(index)
+                gpu_devices.append(device)
             if index in stock:
                 batcher.flush()
                 run.append(index)
@@ -1314,7 +1322,7 @@ class NvcompReader(StorageReader):
             if run:
                 tasks.append(_StockRun(run, self._inline(run, run_bytes)))
                 run, run_bytes = [], 0
-            if index not in stock and devices[index] is None:
+            if device is None and index not in stock:
                 batcher.add(self._cpu_item(index, cpu))
         batcher.flush()
         if run:
@@ -1327,8 +1335,7 @@ class NvcompReader(StorageReader):
                 for item in task.items:
                     cpu.resolve(item)
         gpu_slots = gpu_slots or threading.BoundedSemaphore(self.gpu_threads)
-        on_gpu = [ix for ix in order if devices[ix] is not None]
-        for device, batch in self._gpu_batches(on_gpu, devices, gpu_targets or {}):
+        for device, batch in self._gpu_batches(on_gpu, gpu_devices, gpu_targets or {}, cpu.records or None):
             tasks.append(functools.partial(_holding, gpu_slots, self._load_gpu_batch, batch, device, report))
         window = READ_WINDOW_PER_THREAD * self.thread_count
         with ThreadPoolExecutor(self.thread_count, thread_name_prefix="nvdcp-read") as io_pool:
