@@ -986,6 +986,7 @@ class NvcompReader(StorageReader):
         (a numpy array, or a CUDA uint8 tensor when ``device`` is given)."""
         if device is not None:
             ((_, header, raw),) = self._load_gpu_batch([index], device, report)
+            assert header is not None  # no destination was given: the bytes come with their header
             return header, raw
         name, offset, length = self.record_of(index)
         where = self.where(index)
@@ -1242,7 +1243,7 @@ class NvcompReader(StorageReader):
         places, deltas = self._places(order, records)
         batches = _batched([(k, device, place[2]) for k, (device, place) in enumerate(zip(order_devices, places))],
                            budget, self.gpu_threads)
-        out = []
+        out: list[tuple[torch.device, list[MetadataIndex]]] = []
         for device, at in batches:  # positions in order
             items = [order[k] for k in at]
             out.append((device, _GpuBatch(items, [found.get(ix) for ix in items], [places[k] for k in at],

@@ -147,7 +147,8 @@ def _all_as_expected(parsed: ParsedRecords, expected: Sequence[tuple[torch.dtype
     with one byte plane per element byte when split into planes."""
     f = parsed.fields
     k = len(expected)
-    codes, sizes, ndims, dims, numels = [], [], [], [], []
+    codes, sizes, ndims, numels = [], [], [], []
+    dims: list[int] = []
     for dtype, shape in expected:
         if dtype is None:
             codes.append(-1)

@@ -312,7 +312,15 @@ class GpuDecoder:
     def _plane_rows(self, cols: RecordColumns) -> np.ndarray:
         """:meth:`_plane_row` of every item, asked once per distinct (plane codecs, dtype)."""
         key = np.column_stack([cols.codecs.astype(np.int64), cols.n_planes, cols.dtype_codes])
-        distinct, inverse = np.unique(key, axis=0, return_inverse=True)
+        # One int per row (a polynomial of its fields), then its distinct values: sorting ints is
+        # far cheaper than np.unique(axis=0)'s sort of rows; rows that share an int but differ
+        # (a wrap-around collision, never seen) fall back to that.
+        weights = np.uint64(1_000_003) ** np.arange(key.shape[1], dtype=np.uint64)
+        _, first, inverse = np.unique((key.astype(np.uint64) * weights).sum(axis=1), return_index=True,
+                                      return_inverse=True)
+        distinct = key[first]
+        if not np.array_equal(distinct[inverse.reshape(-1)], key):
+            distinct, inverse = np.unique(key, axis=0, return_inverse=True)
         rows = [self._plane_row(tuple(u[: u[MAX_PLANES]]), None if u[-1] < 0 else code_dtype(u[-1], ""))
                 for u in distinct.tolist()]
         return np.asarray(rows, dtype=np.int64)[inverse.reshape(-1)]
@@ -412,7 +420,7 @@ class GpuDecoder:
         self._decode(uploaded)
         return uploaded
 
-    def _run(self, passes: list[Callable[[], _Pass]]) -> None:
+    def _run(self, passes: Sequence[Callable[[], _Pass]]) -> None:
         """Stage each pass (``passes[k]()`` reads it into a staging buffer), upload and check it
         while the host stages the next, then decode it."""
         uploaded: _Pass | None = None  # copied in, its check queued, not decoded yet

@@ -202,7 +202,7 @@ def _check_columns(dec_mod: Any, records: dict[str, bytes], sd: dict[str, torch.
                               torch.device("cpu"), decoder.takes_whole)
         assert taken.any() and (budget > 1 or not taken.all()), (budget, taken)
         members = batch.members()
-        outs = decoder.decode_columns(batch.columns(lambda row: keys[members[row]]))
+        outs = decoder.decode_columns(batch.columns(lambda row, members=members: keys[members[row]]))
         assert pool.out == 0, "staging buffers leaked"
         for i, target, out in zip(members, batch.destinations(), outs):
             key = keys[i]
