@@ -46,7 +46,7 @@ from torch.futures import Future
 from nvdcp.dcp import descriptor
 from nvdcp.dcp.any_metadata import load_any_metadata
 from nvdcp.dcp.collector import collector_paused
-from nvdcp.dcp.record_columns import ColumnBatch
+from nvdcp.dcp.record_columns import ColumnBatch, records_as_expected
 from nvdcp.dcp.stock_items import (
     DIRECT_MIN_BYTES,
     OpenFiles,
@@ -84,6 +84,7 @@ from nvdcp.pipeline.cpu import (
     check_decodable,
     chunk_starts,
     chunk_table,
+    codec_problem,
     decode_blocks,
     decode_item,
     describe_chunk,
@@ -1402,9 +1403,9 @@ class NvcompReader(StorageReader):
         t1 = time.perf_counter()
         together = self._decode_together(items, buf, start)
         if together is not None:
-            report.add(sum(h.raw_nbytes for _, h, _ in together if h is not None), int(buf.size), read_s=t1 - t0,
-                       decode_s=time.perf_counter() - t1)
-            return together
+            batch_results, raw_total = together
+            report.add(raw_total, int(buf.size), read_s=t1 - t0, decode_s=time.perf_counter() - t1)
+            return batch_results
         parsed = [self._parse_in_batch(item, buf, item.offset - start) for item in items]
         counts = [len(p[1]) for p in parsed]
         if sum(counts):
@@ -1426,29 +1427,31 @@ class NvcompReader(StorageReader):
 
     def _decode_together(
         self, items: list[_CpuItem], buf: np.ndarray, start: int,
-    ) -> list[tuple[MetadataIndex, ItemHeader | None, Any]] | None:
+    ) -> tuple[list[tuple[MetadataIndex, ItemHeader | None, Any]], int] | None:
         """The batch's records parsed, checked and decoded in arrays
-        (:func:`~nvdcp.pipeline.cpu_batch.parse_records`, :func:`~nvdcp.pipeline.cpu_batch.decode_records`);
-        None when a record needs the one-by-one path (a delta record, or damage: that path
-        names it). Every check of the one-by-one path is made."""
+        (:func:`~nvdcp.pipeline.cpu_batch.parse_records`,
+        :func:`~nvdcp.dcp.record_columns.records_as_expected`,
+        :func:`~nvdcp.pipeline.cpu_batch.decode_records`), and their raw bytes; None when a
+        record needs the one-by-one path (a delta record, or damage: that path names it). Every
+        check of the one-by-one path is made; a header is built only for an item not decoded
+        straight into its destination."""
         starts = np.fromiter((item.offset - start for item in items), dtype=np.int64, count=len(items))
         lengths = np.fromiter((item.length for item in items), dtype=np.int64, count=len(items))
         parsed = parse_records(buf, starts, lengths)
-        if parsed is None:
+        if parsed is None or not records_as_expected(parsed, [(item.dtype, item.shape) for item in items],
+                                                     [False] * len(items)):
             return None
+        fields = parsed.fields
+        if any(codec_problem((cid,)) is not None for cid in np.unique(fields.codecs).tolist()):
+            return None  # a codec not decodable here: the one-by-one path says which
         outs = []
-        try:
-            for item, header in zip(items, parsed.headers):
-                check_decodable(header, item.element_size, "")
-                self._check_against_metadata(header, item.dtype, item.shape, item.element_size, "")
-                out = item.out
-                if out is None:
-                    out = np.empty(header.raw_nbytes, dtype=np.uint8)
-                elif out.size != header.raw_nbytes:
-                    return None
-                outs.append(out)
-        except (CorruptCheckpointError, CodecUnavailableError):
-            return None
+        for item, raw in zip(items, fields.raw.tolist()):
+            out = item.out
+            if out is None:
+                out = np.empty(raw, dtype=np.uint8)
+            elif out.size != raw:
+                return None
+            outs.append(out)
         if len(parsed.sizes):
             if (checksum_ranges(buf, parsed.starts, parsed.sizes, threads=1) != parsed.crcs).any():
                 return None
@@ -1456,10 +1459,12 @@ class NvcompReader(StorageReader):
                 decode_records(buf, parsed, outs)
             except ValueError:
                 return None
+        # an item decoded into its destination needs no header (see _commit_loaded)
         return [
-            (item.index, header, _InPlace(item.target) if item.target is not None else out)
-            for item, header, out in zip(items, parsed.headers, outs)
-        ]
+            (item.index, None, _InPlace(item.target)) if item.target is not None
+            else (item.index, parsed.headers[j], out)
+            for j, (item, out) in enumerate(zip(items, outs))
+        ], int(fields.raw.sum())
 
     def _parse_in_batch(
         self, item: _CpuItem, buf: np.ndarray, at: int

@@ -9,7 +9,8 @@ docs/BENCHMARKS.md "Many small tensors"). Here a run's records are checked with 
 what ``.metadata`` expects of each, and all runs of a batch become one set of columns.
 
 A run with any record that fails a check is not taken: the caller's per-record path parses it
-again and raises the error that names the item.
+again and raises the error that names the item. The CPU path checks its batches of records with
+the same function (:func:`records_as_expected`).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class ColumnBatch:
         one passes the checks :meth:`NvcompReader._check_against_metadata` makes; returns which
         were taken (none on a failed check; those ``takes_whole`` refuses neither)."""
         k = len(members)
-        if not _all_as_expected(parsed, expected, deltas):
+        if not records_as_expected(parsed, expected, deltas):
             return np.zeros(k, dtype=bool)
         f = parsed.fields
         take = takes_whole(parsed.first_chunk[1:] - parsed.first_chunk[:-1], f.chunk_bytes)
@@ -140,7 +141,7 @@ def _code(dtype: torch.dtype) -> int:
     return code
 
 
-def _all_as_expected(parsed: ParsedRecords, expected: Sequence[tuple[torch.dtype | None, tuple[int, ...] | None]],
+def records_as_expected(parsed: ParsedRecords, expected: Sequence[tuple[torch.dtype | None, tuple[int, ...] | None]],
                      deltas: Sequence[bool]) -> bool:
     """Whether every record is what ``.metadata`` says: a delta exactly where it says so; a
     bytes item where it has no dtype; else a tensor of its dtype and shape, of that many bytes,

@@ -314,7 +314,7 @@ def plane_cpu_codecs(plane_codecs: tuple[int, ...]) -> list[Codec]:
 
 
 @functools.cache
-def _codec_problem(plane_codecs: tuple[int, ...]) -> tuple[type[Exception], str] | None:
+def codec_problem(plane_codecs: tuple[int, ...]) -> tuple[type[Exception], str] | None:
     """Why chunks of these plane codecs cannot be decoded here (None: they can); one answer per
     combination, so a checkpoint of many items asks the registry once."""
     for cid in sorted(set(plane_codecs)):
@@ -333,7 +333,7 @@ def _codec_problem(plane_codecs: tuple[int, ...]) -> tuple[type[Exception], str]
 def check_decodable(header: ItemHeader, element_size: int, where: str) -> None:
     """Refuse, before any chunk is read, an item this machine cannot decode or whose planes do
     not fit its elements."""
-    problem = _codec_problem(header.plane_codecs)
+    problem = codec_problem(header.plane_codecs)
     if problem is not None:
         cls, message = problem
         raise cls(f"{where}: {message}")

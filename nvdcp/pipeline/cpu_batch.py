@@ -584,12 +584,13 @@ def decode_records(buf: np.ndarray, parsed: ParsedRecords, outs: Sequence[np.nda
         ValueError: a chunk does not decode to its size (the caller decodes the records one by
             one to name it).
     """
-    headers = parsed.headers
-    n_planes = np.fromiter((h.n_planes for h in headers), dtype=np.int64, count=len(headers))
-    plane_bytes = np.fromiter((h.raw_nbytes for h in headers), dtype=np.int64, count=len(headers)) // n_planes
-    cb = np.fromiter((h.chunk_bytes for h in headers), dtype=np.int64, count=len(headers))
+    fields = parsed.fields
+    k = len(fields.raw)
+    n_planes = fields.n_planes
+    plane_bytes = fields.raw // n_planes
+    cb = fields.chunk_bytes
     counts = parsed.first_chunk[1:] - parsed.first_chunk[:-1]
-    chunk_item = np.repeat(np.arange(len(headers)), counts)
+    chunk_item = np.repeat(np.arange(k), counts)
     local = np.arange(len(chunk_item)) - parsed.first_chunk[:-1][chunk_item]
     e = n_planes[chunk_item]
     block, plane = local // e, local % e
@@ -600,8 +601,7 @@ def decode_records(buf: np.ndarray, parsed: ParsedRecords, outs: Sequence[np.nda
     keep: list[object] = []  # the decoded streams' memory, until merged
     compressed = parsed.sizes != block_raw
     if compressed.any():
-        ids = np.array([h.plane_codecs[p] for h, p in zip(
-            (headers[i] for i in chunk_item[compressed].tolist()), plane[compressed].tolist())], dtype=np.int64)
+        ids = fields.codec_matrix(MAX_PLANES)[chunk_item[compressed], plane[compressed]].astype(np.int64)
         which = np.flatnonzero(compressed)
         for cid in np.unique(ids).tolist():
             sel = which[ids == cid]
@@ -612,7 +612,7 @@ def decode_records(buf: np.ndarray, parsed: ParsedRecords, outs: Sequence[np.nda
     firsts = local % e == 0  # the first chunk of every block
     dsts = out_addr[chunk_item[firsts]] + block[firsts] * cb[chunk_item[firsts]] * e[firsts]
     # per block: its plane count, and the delta kind and element size its record applies (-1, 0: none)
-    how = np.full((len(headers), 2), (-1, 0), dtype=np.int64)
+    how = np.full((k, 2), (-1, 0), dtype=np.int64)
     for i, kind_size in enumerate(apply or ()):
         if kind_size is not None:
             how[i] = kind_size
