@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future as PyFuture
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, Literal, Protocol, TypeVar, cast
 
 import numpy as np
 import torch
@@ -1061,7 +1061,7 @@ class NvcompReader(StorageReader):
     def _decode_requests(
         self, indexes: list[MetadataIndex], places: list[tuple[str, int, int]], deltas: list[bool],
         targets: Sequence[tuple[torch.Tensor, int] | None] | None, device: torch.device,
-        in_memory: list[tuple[ItemHeader, tuple[np.ndarray, np.ndarray], np.ndarray] | None | bool],
+        in_memory: list[tuple[ItemHeader, tuple[np.ndarray, np.ndarray], np.ndarray] | None | Literal[True]],
     ) -> tuple[list[Any], list[torch.Tensor | None], list[int]]:
         """A decode request for each item not taken as columns (``in_memory[i]`` True), its
         header checked against ``.metadata``, nothing else (no torch calls: destinations were
@@ -1078,7 +1078,7 @@ class NvcompReader(StorageReader):
             name, offset, length = places[i]
             where = _LazyWhere(self, index)
             payload = None
-            if parsed is not None and parsed is not False:
+            if parsed is not None:
                 header, table, payload = parsed
             else:
                 header = self.read_header(name, offset, length, where)  # type: ignore[arg-type]
@@ -1164,14 +1164,14 @@ class NvcompReader(StorageReader):
         self, indexes: list[MetadataIndex], places: list[tuple[str, int, int]], deltas: list[bool] | None = None,
         targets: Sequence[tuple[torch.Tensor, int] | None] | None = None, device: torch.device | None = None,
         decoder: Any = None, columns: ColumnBatch | None = None,
-    ) -> list[tuple[ItemHeader, tuple[np.ndarray, np.ndarray], np.ndarray] | None | bool]:
+    ) -> list[tuple[ItemHeader, tuple[np.ndarray, np.ndarray], np.ndarray] | None | Literal[True]]:
         """For each record read in a run (:meth:`_record_runs`): its header, chunk table
         (stored sizes int64, CRC32Cs uint32) and chunk bytes, every record of a run parsed and
         checked together (:func:`~nvdcp.pipeline.cpu_batch.parse_records`; one by one, naming
         the damage, where one fails). None for records not read in a run. With ``columns``:
         True for the records ``columns`` took (:meth:`ColumnBatch.add_run`, which needs
         ``deltas``, ``targets``, ``device`` and the ``decoder``)."""
-        out: list[tuple[ItemHeader, tuple[np.ndarray, np.ndarray], np.ndarray] | None | bool] = [None] * len(places)
+        out: list[tuple[ItemHeader, tuple[np.ndarray, np.ndarray], np.ndarray] | None | Literal[True]] = [None] * len(places)
         for run in self._record_runs(places):
             parsed = parse_records(run.buffer, run.starts, run.lengths)
             ends = (run.starts + run.lengths).tolist()
