@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from nvdcp.format.dtypes import dtype_code
+from nvdcp.format.dtypes import DTYPE_TO_CODE
 from nvdcp.format.header import KIND_BYTES, KIND_TENSOR, MAX_PLANES
 from nvdcp.gpu.columns import RecordColumns
 from nvdcp.pipeline.cpu_batch import ParsedRecords
@@ -131,16 +131,6 @@ def _run_columns(run: _TakenRun, src: int) -> dict[str, np.ndarray]:
     }
 
 
-_CODES: dict[torch.dtype, int] = {}
-
-
-def _code(dtype: torch.dtype) -> int:
-    code = _CODES.get(dtype)
-    if code is None:
-        code = _CODES[dtype] = dtype_code(dtype)
-    return code
-
-
 def records_as_expected(parsed: ParsedRecords, expected: Sequence[tuple[torch.dtype | None, tuple[int, ...] | None]],
                      deltas: Sequence[bool]) -> bool:
     """Whether every record is what ``.metadata`` says: a delta exactly where it says so; a
@@ -159,7 +149,7 @@ def records_as_expected(parsed: ParsedRecords, expected: Sequence[tuple[torch.dt
             continue
         if shape is None:
             return False  # no chunk of this shape in .metadata: the per-record path decides
-        codes.append(_code(dtype))
+        codes.append(DTYPE_TO_CODE.get(dtype, -2))  # -2 matches no stored code: the per-record path names it
         sizes.append(dtype.itemsize)
         ndims.append(len(shape))
         dims.extend(shape)
