@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future as PyFuture
 from concurrent.futures import ThreadPoolExecutor
+from operator import attrgetter, itemgetter
 from typing import Any, Literal, Protocol, TypeVar, cast
 
 import numpy as np
@@ -46,6 +47,7 @@ from torch.futures import Future
 from nvdcp.dcp import descriptor
 from nvdcp.dcp.any_metadata import load_any_metadata
 from nvdcp.dcp.collector import collector_paused
+from nvdcp.dcp.read_table import ReadTable, group_requests, index_key
 from nvdcp.dcp.record_columns import ColumnBatch, records_as_expected
 from nvdcp.dcp.stock_items import (
     DIRECT_MIN_BYTES,
@@ -231,6 +233,8 @@ class NvcompReader(StorageReader):
         self._decoders = threading.local()
         #: (fqn, chunk offsets) -> (dtype, chunk shape), built from .metadata on first use
         self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]] | None = None
+        #: .metadata's storage records by (fqn, offset), built on first use (see _records_by_key)
+        self._record_keys: dict[tuple[object, object], Any] | None = None
         #: descriptor tuples already checked (see _check_descriptor)
         self._good_descriptors: set[Any] = set()
         #: descriptor tuple -> (an nvdcp record, a delta record) (see _descriptor_kind)
@@ -251,6 +255,7 @@ class NvcompReader(StorageReader):
         self._decoders = threading.local()
         self.__dict__.setdefault("_good_descriptors", set())
         self.__dict__.setdefault("_kinds", {})
+        self.__dict__.setdefault("_record_keys", None)
         self.__dict__.setdefault("base", None)
         self.__dict__.setdefault("_file_sizes", {})
 
@@ -278,7 +283,7 @@ class NvcompReader(StorageReader):
         if not isinstance(metadata.storage_data, dict):
             raise CorruptCheckpointError(f"{self.storage.url}: .metadata has no storage records")
         self.metadata = metadata
-        self._chunks = None
+        self._chunks = self._record_keys = None
         self.base = self._open_base(metadata)
 
     # -- delta checkpoints: the chain of bases, checked before any tensor is written ----------
@@ -772,21 +777,16 @@ class NvcompReader(StorageReader):
         assert self.metadata is not None, "set_up_storage_reader was not called"
         started = time.perf_counter()
         report = Report("load", self.storage.url)
-        by_item: dict[MetadataIndex, list[ReadItem]] = {}
-        for req in plan.items:
-            by_item.setdefault(req.storage_index, []).append(req)
-        records, stock, deltas = self._classify(by_item)
-        delta_set = set(deltas)
-        devices, gpu_targets = self._decode_devices(by_item, stock, planner)
+        table = self._read_table(*group_requests(plan.items))
+        devices, gpu_targets = self._decode_devices(table, planner)
+        deltas = table.in_file_order(table.positions(delta=True))
         # Read in file order so a local disk sees sequential-ish access.
-        order = sorted(
-            (ix for ix in by_item if ix not in delta_set), key=lambda ix: (records[ix].relative_path, records[ix].offset)
-        )
+        order = table.in_file_order(table.positions(delta=False))
 
         def destination(index: MetadataIndex) -> torch.Tensor | None:
             """Where a whole large stock item goes, resolved just before its read is queued,
             so its bytes are read straight into it (see StockItemReader.read)."""
-            reqs = by_item[index]
+            reqs = table.requests_of(index)
             if len(reqs) != 1 or reqs[0].type != LoadItemType.TENSOR:
                 return None
             dtype, shape = self.expected(index)
@@ -801,16 +801,16 @@ class NvcompReader(StorageReader):
         gpu_slots = threading.BoundedSemaphore(self.gpu_threads)
         with ThreadPoolExecutor(self.thread_count, thread_name_prefix="nvdcp-delta") as delta_pool:
             rebuilt = self._delta_loads(
-                sorted(deltas, key=lambda ix: (records[ix].relative_path, records[ix].offset)), devices, report,
-                by_item, planner, delta_pool, gpu_slots,
+                [table.keys[p] for p in deltas], {table.keys[p]: devices[p] for p in deltas}, report,
+                {table.keys[p]: table.reqs[p] for p in deltas}, planner, delta_pool, gpu_slots,
             )
             try:
                 loads = self._fetch_and_decode(
-                    order, devices, stock, report, destination, cpu=_CpuPlan(by_item, records, planner),
+                    table, order, devices, report, destination, cpu=_CpuPlan(planner),
                     gpu_slots=gpu_slots, gpu_targets=gpu_targets,
                 )
                 for index, header, data in itertools.chain(rebuilt.interleave(loads), rebuilt.rest()):
-                    self._commit_loaded(by_item[index], header, data, planner)
+                    self._commit_loaded(table.requests_of(index), header, data, planner)
             finally:
                 rebuilt.cancel()
         report.seconds = time.perf_counter() - started
@@ -892,54 +892,82 @@ class NvcompReader(StorageReader):
             return None, None
         return None, None
 
-    def _classify(self, by_item: dict[MetadataIndex, list[ReadItem]]
-                  ) -> tuple[dict[MetadataIndex, _StorageInfo], set[MetadataIndex], list[MetadataIndex]]:
-        """Each item's storage record; the stock items; the delta items (rebuilt from their base
-        chains by :meth:`_delta_loads` while the others load). One pass, each distinct descriptor
-        tuple judged once (a save's items share one or two)."""
-        records: dict[MetadataIndex, _StorageInfo] = {}
-        stock: set[MetadataIndex] = set()
-        deltas: list[MetadataIndex] = []
-        for index in by_item:
-            info = records[index] = self._record(index)
-            kind = self._descriptor_kind(info)
-            if not kind[0]:
-                stock.add(index)
-            elif kind[1]:
-                deltas.append(index)
-        return records, stock, deltas
+    def _read_table(self, keys: list[MetadataIndex], reqs: list[list[ReadItem]]) -> ReadTable:
+        """The plan's items ``keys`` (with their requests ``reqs``) by position
+        (:mod:`nvdcp.dcp.read_table`), each storage record looked up once and checked: whether
+        stock DCP stored it, whether it is a delta (rebuilt from its base chain by
+        :meth:`_delta_loads` while the others load). Each distinct descriptor tuple is judged and
+        parsed once (a save's items share one or two); offsets and lengths are checked in one
+        pass, record by record (naming the first bad one) only when that fails."""
+        found = list(map(self._records_by_key().get, map(index_key, keys)))
+        if set(map(type, found)) - {_StorageInfo}:
+            found = [self._record(index) for index in keys]  # raises for a missing or foreign record
+        infos = cast(list[_StorageInfo], found)
+        descs = list(map(attrgetter("transform_descriptors"), infos))
+        try:
+            last = dict(zip(descs, range(len(keys))))  # an item of each distinct descriptor tuple
+        except TypeError:  # an unhashable descriptor list: each record judged alone
+            kinds = [self._descriptor_kind(info) for info in infos]
+            for index, info, kind in zip(keys, infos, kinds):
+                if kind[0]:
+                    self._check_descriptor(info, index)
+        else:
+            kind_of = {desc: self._descriptor_kind(infos[p]) for desc, p in last.items()}
+            for desc, p in last.items():
+                if kind_of[desc][0]:
+                    self._check_descriptor(infos[p], keys[p])
+            kinds = list(map(kind_of.__getitem__, descs))
+        table = ReadTable(keys, reqs, infos, [not k[0] for k in kinds], [k[1] for k in kinds])
+        if not table.lengths_are_sane():
+            for index, info, stock in zip(keys, infos, table.stock):
+                if not stock:
+                    self._check_descriptor(info, index)
+        return table
+
+    def _records_by_key(self) -> dict[tuple[object, object], Any]:
+        """``.metadata``'s storage records keyed by plain ``(fqn, offset)`` tuples, what a
+        ``MetadataIndex`` compares by (a lookup with one hashes and compares in Python: 0.7 us
+        a lookup on the CPU machine), built on first use in C passes."""
+        assert self.metadata is not None
+        if self._record_keys is None:
+            records = self.metadata.storage_data
+            try:
+                self._record_keys = dict(zip(map(index_key, records), records.values()))
+            except AttributeError:  # a key that is no MetadataIndex: looked up as they are
+                self._record_keys = {}
+        return self._record_keys
 
     def _decode_devices(
-        self, by_item: dict[MetadataIndex, list[ReadItem]], stock: set[MetadataIndex], planner: LoadPlanner
-    ) -> tuple[dict[MetadataIndex, torch.device | None], dict[MetadataIndex, tuple[torch.Tensor, int]]]:
-        """Where each item decodes (a CUDA device, or None: the CPU path), and the GPU tensors
-        that items are decoded straight into, with their sizes (see :meth:`_whole_on_gpu`).
+        self, table: ReadTable, planner: LoadPlanner
+    ) -> tuple[list[torch.device | None], list[tuple[torch.Tensor, int] | None]]:
+        """Where each item of ``table`` decodes (a CUDA device, or None: the CPU path), and the
+        GPU tensors that items are decoded straight into, with their sizes (see
+        :meth:`_whole_on_gpu`), by position.
 
         Destinations are resolved here, on the calling thread before any I/O thread runs: torch
         calls on the I/O threads wait on the GIL behind the others (measured on the H200: a third
         of a small-tensor load in one reshape/view per item)."""
-        devices: dict[MetadataIndex, torch.device | None] = dict.fromkeys(by_item)
-        found: dict[MetadataIndex, tuple[torch.Tensor, int]] = {}
+        devices: list[torch.device | None] = [None] * len(table)
+        found: list[tuple[torch.Tensor, int] | None] = [None] * len(table)
         if not gpu_available():
             return devices, found
         mode = self.gpu.decode_device
         host_bound_device: torch.device | None = None  # where items bound for host memory decode
-        for index, reqs in by_item.items():
+        resolve, byte_io = planner.resolve_tensor, LoadItemType.BYTE_IO
+        for p, (reqs, stock) in enumerate(zip(table.reqs, table.stock)):
             req = reqs[0]
-            if index in stock or req.type == LoadItemType.BYTE_IO:
+            if stock or req.type == byte_io:
                 continue
-            target = planner.resolve_tensor(req)
+            target = resolve(req)
             if target.is_cuda:
-                devices[index] = target.device
-                whole = self._whole_on_gpu(reqs, target)
-                if whole is not None:
-                    found[index] = whole
-            elif mode == "cpu" or (mode == "auto" and _host_decodes_faster(self._record(index))):
+                devices[p] = target.device
+                found[p] = self._whole_on_gpu(reqs, target)
+            elif mode == "cpu" or (mode == "auto" and _host_decodes_faster(table.infos[p])):
                 continue
             else:
                 if host_bound_device is None:
                     host_bound_device = torch.device("cuda", torch.cuda.current_device())
-                devices[index] = host_bound_device
+                devices[p] = host_bound_device
         return devices, found
 
     def _whole_on_gpu(self, reqs: list[ReadItem], target: torch.Tensor) -> tuple[torch.Tensor, int] | None:
@@ -1234,21 +1262,25 @@ class NvcompReader(StorageReader):
         return fill
 
     def _gpu_batches(
-        self, order: list[MetadataIndex], order_devices: list[torch.device], found: dict[MetadataIndex, tuple[torch.Tensor, int]],
-        records: dict[MetadataIndex, _StorageInfo] | None = None,
-    ) -> list[tuple[torch.device, list[MetadataIndex]]]:
-        """Group GPU-decoded items into batches whose stored size fits half a thread's budget,
-        at least one per GPU thread when the load is big enough (:func:`_batched`). Destinations
-        :meth:`_decode_devices` ``found`` for whole tensors ride with their batch."""
-        budget = {device: self.gpu.gpu_budget(device, load=True) // (2 * self.gpu_threads) for device in set(order_devices)}
-        places, deltas = self._places(order, records)
-        batches = _batched([(k, device, place[2]) for k, (device, place) in enumerate(zip(order_devices, places))],
-                           budget, self.gpu_threads)
-        out: list[tuple[torch.device, list[MetadataIndex]]] = []
-        for device, at in batches:  # positions in order
-            items = [order[k] for k in at]
-            out.append((device, _GpuBatch(items, [found.get(ix) for ix in items], [places[k] for k in at],
-                                          [deltas[k] for k in at])))
+        self, table: ReadTable, order: list[int], devices: list[torch.device | None],
+        found: list[tuple[torch.Tensor, int] | None],
+    ) -> list[tuple[torch.device, _GpuBatch]]:
+        """Group the GPU-decoded items at ``order`` in ``table`` into batches whose stored size
+        fits half a thread's budget, at least one per GPU thread when the load is big enough
+        (:func:`_batched`). Destinations :meth:`_decode_devices` ``found`` for whole tensors
+        ride with their batch (``devices`` and ``found`` by position)."""
+        order_devices = [devices[p] for p in order]
+        budget = {device: self.gpu.gpu_budget(device, load=True) // (2 * self.gpu_threads)
+                  for device in set(order_devices) if device is not None}
+        places = table.places(order)
+        batches = _batched(list(zip(order, order_devices, map(itemgetter(2), places))), budget, self.gpu_threads)
+        at = {p: k for k, p in enumerate(order)}  # batch members are positions in the table
+        out: list[tuple[torch.device, _GpuBatch]] = []
+        for device, members in batches:
+            out.append((device, _GpuBatch(
+                [table.keys[p] for p in members], [found[p] for p in members],
+                [places[at[p]] for p in members], [table.delta[p] for p in members],
+            )))
         return out
 
     @staticmethod
@@ -1291,41 +1323,41 @@ class NvcompReader(StorageReader):
             raise CorruptCheckpointError(f"{where}: {header.raw_nbytes} bytes for shape {header.shape}")
 
     def _fetch_and_decode(
-        self, order: list[MetadataIndex], devices: dict[MetadataIndex, torch.device | None],
-        stock: set[MetadataIndex], report: Report,
+        self, table: ReadTable, order: list[int], devices: list[torch.device | None], report: Report,
         destination: Callable[[MetadataIndex], torch.Tensor | None] = lambda index: None,
         cpu: _CpuPlan | None = None, gpu_slots: threading.BoundedSemaphore | None = None,
-        gpu_targets: dict[MetadataIndex, tuple[torch.Tensor, int]] | None = None,
+        gpu_targets: list[tuple[torch.Tensor, int] | None] | None = None,
     ) -> Iterator[tuple[MetadataIndex, ItemHeader | None, Any]]:
-        """Run batch loads (CPU nvdcp items, stock items, GPU batches) on the I/O pool, a bounded
-        window ahead. A stock item comes with header None and a :class:`_StockLoaded`; its
-        ``destination`` is resolved (on this thread) when its read is queued; so are the
-        destinations of CPU items (``cpu``), whose results are :class:`_InPlace` when they were
-        decoded straight into them."""
-        cpu = cpu or _CpuPlan({}, {}, None)
+        """Run batch loads of the items at ``order`` in ``table`` (CPU nvdcp items, stock items,
+        GPU batches; ``devices`` and ``gpu_targets`` by position, :meth:`_decode_devices`) on the
+        I/O pool, a bounded window ahead. A stock item comes with header None and a
+        :class:`_StockLoaded`; its ``destination`` is resolved (on this thread) when its read is
+        queued; so are the destinations of CPU items (``cpu``), whose results are
+        :class:`_InPlace` when they were decoded straight into them."""
+        cpu = cpu or _CpuPlan(None)
         tasks: list[Callable[[], Sequence[tuple[MetadataIndex, ItemHeader | None, Any]]] | _StockRun | _CpuBatch] = []
         # Consecutive stock items go as one task, up to a few MiB: small items are often many.
         run: list[MetadataIndex] = []
         run_bytes = 0
         batcher = _CpuBatcher(tasks)
-        on_gpu: list[MetadataIndex] = []
-        gpu_devices: list[torch.device] = []
-        for index in order:
-            device = devices[index]
+        on_gpu: list[int] = []
+        keys, infos, stock = table.keys, table.infos, table.stock
+        for p in order:
+            device = devices[p]
             if device is not None:
-                on_gpu.append(index)
-                gpu_devices.append(device)
-            if index in stock:
+                on_gpu.append(p)
+                continue
+            if stock[p]:
                 batcher.flush()
-                run.append(index)
-                run_bytes += self._record(index).length
+                run.append(keys[p])
+                run_bytes += infos[p].length
                 if run_bytes < STOCK_BATCH_BYTES and len(run) < STOCK_BATCH_ITEMS:
                     continue
             if run:
                 tasks.append(_StockRun(run, self._inline(run, run_bytes)))
                 run, run_bytes = [], 0
-            if device is None and index not in stock:
-                batcher.add(self._cpu_item(index, cpu))
+            if not stock[p]:
+                batcher.add(self._cpu_item(keys[p], infos[p], table.reqs[p]))
         batcher.flush()
         if run:
             tasks.append(_StockRun(run, self._inline(run, run_bytes)))
@@ -1337,7 +1369,7 @@ class NvcompReader(StorageReader):
                 for item in task.items:
                     cpu.resolve(item)
         gpu_slots = gpu_slots or threading.BoundedSemaphore(self.gpu_threads)
-        for device, batch in self._gpu_batches(on_gpu, gpu_devices, gpu_targets or {}, cpu.records or None):
+        for device, batch in self._gpu_batches(table, on_gpu, devices, gpu_targets or [None] * len(table)):
             tasks.append(functools.partial(_holding, gpu_slots, self._load_gpu_batch, batch, device, report))
         window = READ_WINDOW_PER_THREAD * self.thread_count
         with ThreadPoolExecutor(self.thread_count, thread_name_prefix="nvdcp-read") as io_pool:
@@ -1361,12 +1393,10 @@ class NvcompReader(StorageReader):
                     fut.cancel()
 
     # -- the CPU path: batches of records, checked and decoded into their destinations --------
-    def _cpu_item(self, index: MetadataIndex, plan: _CpuPlan) -> _CpuItem:
-        """What the CPU path needs of one nvdcp item, its ``.metadata`` record checked."""
-        info = plan.records.get(index) or self._record(index)
-        self._check_descriptor(info, index)
+    def _cpu_item(self, index: MetadataIndex, info: _StorageInfo, reqs: list[ReadItem]) -> _CpuItem:
+        """What the CPU path needs of one nvdcp item (its ``.metadata`` record ``info``, checked
+        by the caller, and the plan's requests of it)."""
         dtype, shape = self.expected(index)
-        reqs = plan.by_item.get(index, [])
         whole = (
             len(reqs) == 1 and reqs[0].type == LoadItemType.TENSOR and dtype is not None and shape is not None
             and not any(reqs[0].storage_offsets) and tuple(reqs[0].lengths) == shape
@@ -1385,7 +1415,8 @@ class NvcompReader(StorageReader):
         if known and type(offset) is int and type(length) is int and offset >= 0 and length >= 0:
             return
         descriptor.parse(info, f"{self.storage.url} item {describe_index(index)}")
-        self._good_descriptors.add(descs)
+        if known is False and isinstance(descs, tuple):  # (a list parses too, but does not hash)
+            self._good_descriptors.add(descs)
 
     @_rereads
     def _load_cpu_batch(
@@ -1877,10 +1908,8 @@ class _CpuBatcher:
 
 @dataclasses.dataclass
 class _CpuPlan:
-    """A load's requests and records, and the planner that resolves destinations."""
+    """The planner that resolves the CPU path's destinations (None: no destinations)."""
 
-    by_item: dict[MetadataIndex, list[ReadItem]]
-    records: dict[MetadataIndex, _StorageInfo]
     planner: LoadPlanner | None
 
     def resolve(self, item: _CpuItem) -> None:

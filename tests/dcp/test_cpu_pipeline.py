@@ -149,10 +149,10 @@ def test_metadata_shape_mismatch_is_caught(tmp_path: Path) -> None:
     md = reader.read_metadata()
     reader.set_up_storage_reader(md, True)
     index = next(iter(md.storage_data))
-    assert reader._cpu_item(index, reader_module._CpuPlan({}, {}, None)).shape == (10, 10)
+    assert reader._cpu_item(index, md.storage_data[index], []).shape == (10, 10)
     reader._chunks = {(index.fqn, tuple(index.offset or ())): (torch.float32, (5, 20))}
     with pytest.raises(nvdcp.CorruptCheckpointError, match=r"'w'.*stored shape \(10, 10\) does not match"):
-        reader._load_cpu_batch(reader_module._CpuBatch([reader._cpu_item(index, reader_module._CpuPlan({}, {}, None))],
+        reader._load_cpu_batch(reader_module._CpuBatch([reader._cpu_item(index, md.storage_data[index], [])],
                                                        md.storage_data[index].offset + md.storage_data[index].length),
                                nvdcp.report.Report("load", "x"))
 
