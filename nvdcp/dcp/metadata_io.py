@@ -425,7 +425,7 @@ def _check_layout(metadata: Metadata, where: str) -> None:
                 )
 
 
-def _all_whole_and_recorded(items: list[tuple[str, TensorStorageMetadata]], recorded: set[Any]) -> bool:
+def _all_whole_and_recorded(items: list[tuple[str, Any]], recorded: set[Any]) -> bool:
     """Whether every tensor of ``items`` (each in one chunk) passes what :func:`_tile` and
     :func:`_check_layout` check of it, the chunk whole (int offsets all 0, int sizes >= 0 equal
     to its size, as :func:`_whole` says), its dtype a dtype, its chunk recorded: column by column

@@ -2000,30 +2000,55 @@ def _batched(items: list[tuple[_K, torch.device | None, int]], budget: dict[torc
     ``MIN_GPU_BATCH_BYTES``) so that every GPU thread gets one however small the load, and a
     multiple of ``threads`` beyond that, so no batch decodes alone at the end while the other
     threads idle (20,000 small items were 4 full batches and a tail of 3,616). An item larger
-    than the budget is a batch alone."""
-    totals: dict[torch.device, list[int]] = {}
-    for _, device, size in items:
+    than the budget is a batch alone. Batches come in the order they are cut, each device's last
+    one at the end."""
+    rows: dict[torch.device, list[int]] = {}
+    if len(set(map(itemgetter(1), items))) == 1:
+        rows[items[0][1]] = list(range(len(items)))  # type: ignore[index]  # one device: no loop
+    else:
+        for k, (_, device, _) in enumerate(items):
+            rows.setdefault(device, []).append(k)  # type: ignore[arg-type]
+    cut: list[tuple[int, torch.device, list[_K]]] = []  # (where the next batch starts, device, members)
+    tails: list[tuple[torch.device, list[_K]]] = []
+    for device, at in rows.items():
         assert device is not None
-        total = totals.setdefault(device, [0, 0])
-        total[0] += size
-        total[1] += 1
-    shares = {device: _batch_share(nbytes, count, budget[device], threads) for device, (nbytes, count) in totals.items()}
-    batches: list[tuple[torch.device, list[_K]]] = []
-    open_: dict[torch.device, list[Any]] = {}  # device: [members, bytes, bytes before them, batches cut]
-    for index, device, size in items:
-        assert device is not None
-        state = open_.setdefault(device, [[], 0, 0, 0])
-        members, used, before, cut = state
-        wanted, byte_goal, item_cap = shares[device]
-        # cut at an even share of the items, or where the item's middle passes the next even
-        # share of the bytes; the last batch takes what is left (no sliver of a batch after it)
-        if members and (used + size > budget[device] or len(members) >= MAX_GPU_BATCH_ITEMS or cut + 1 < wanted and (
-                len(members) >= item_cap or before + used + size / 2 > (cut + 1) * byte_goal)):
-            batches.append((device, members))
-            state[:] = members, used, before, cut = [], 0, before + used, cut + 1
-        members.append(index)
-        state[1] = used + size
-    return batches + [(device, state[0]) for device, state in open_.items() if state[0]]
+        sizes = np.fromiter((items[k][2] for k in at), dtype=np.int64, count=len(at))
+        ends = _batch_ends(sizes, budget[device], threads)
+        starts = [0, *ends[:-1]]
+        for start, end in zip(starts, ends):
+            members = [items[k][0] for k in at[start:end]]
+            if end < len(at):
+                cut.append((at[end], device, members))
+            else:
+                tails.append((device, members))
+    cut.sort(key=itemgetter(0))
+    return [(device, members) for _, device, members in cut] + tails
+
+
+def _batch_ends(sizes: np.ndarray, budget: int, threads: int) -> list[int]:
+    """Where :func:`_batched`'s batches of one device's items (of ``sizes`` bytes, in order) end.
+
+    A batch started at ``s`` ends before the first item ``i`` that would take it past the
+    budget, past ``MAX_GPU_BATCH_ITEMS``, or (while fewer than the wanted batches were cut) past
+    an even share of the items, or whose middle passes the next even share of the bytes. Each
+    of these is monotone in ``i``, so each end is found by ``searchsorted`` on running sums: a
+    few numpy calls per batch, not Python per item (20,000 items: 10 ms in a per-item loop)."""
+    n = len(sizes)
+    total = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(sizes, out=total[1:])
+    middles = total[:-1] + sizes / 2  # exact: float64 holds these sums and halves exactly
+    wanted, byte_goal, item_cap = _batch_share(int(total[-1]), n, budget, threads)
+    ends: list[int] = []
+    start = cut = 0
+    while start < n:
+        end = min(n, start + MAX_GPU_BATCH_ITEMS,
+                  int(np.searchsorted(total, total[start] + budget, side="right")) - 1)
+        if cut + 1 < wanted:
+            end = min(end, start + item_cap, int(np.searchsorted(middles, (cut + 1) * byte_goal, side="right")))
+        end = max(end, start + 1)  # a batch holds one item at least
+        ends.append(end)
+        start, cut = end, cut + 1
+    return ends
 
 
 def _batch_share(nbytes: int, count: int, budget: int, threads: int) -> tuple[int, float, int]:

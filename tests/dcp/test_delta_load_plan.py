@@ -6,6 +6,7 @@ items stored whole hands results out in order and starts a bounded number at a t
 
 from __future__ import annotations
 
+import random
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -235,3 +236,44 @@ def test_gpu_batches_beyond_one_per_thread_come_in_even_rounds() -> None:
     # a budget that needs 6 batches gets 8 (two rounds of 4 threads), none over the budget
     tight = _batched(rows, {a: sum(sizes) // 6 + 1}, 4)  # type: ignore[arg-type]
     assert len(tight) == 8
+
+
+def _batched_per_item(items: list[Any], budget: dict[Any, int], threads: int) -> list[Any]:
+    """The per-item loop :func:`nvdcp.dcp.reader._batched` replaced (session 20): the reference."""
+    from nvdcp.dcp.reader import MAX_GPU_BATCH_ITEMS, _batch_share
+
+    totals: dict[Any, list[int]] = {}
+    for _, device, size in items:
+        total = totals.setdefault(device, [0, 0])
+        total[0] += size
+        total[1] += 1
+    shares = {device: _batch_share(nbytes, count, budget[device], threads) for device, (nbytes, count) in totals.items()}
+    batches: list[Any] = []
+    open_: dict[Any, list[Any]] = {}
+    for index, device, size in items:
+        state = open_.setdefault(device, [[], 0, 0, 0])
+        members, used, before, cut = state
+        wanted, byte_goal, item_cap = shares[device]
+        if members and (used + size > budget[device] or len(members) >= MAX_GPU_BATCH_ITEMS or cut + 1 < wanted and (
+                len(members) >= item_cap or before + used + size / 2 > (cut + 1) * byte_goal)):
+            batches.append((device, members))
+            state[:] = members, used, before, cut = [], 0, before + used, cut + 1
+        members.append(index)
+        state[1] = used + size
+    return batches + [(device, state[0]) for device, state in open_.items() if state[0]]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_gpu_batches_cut_as_the_per_item_loop_did(seed: int) -> None:
+    """The batch cuts found with running sums equal the per-item loop's, batch for batch and in
+    the same order, over random sizes (some past the budget), devices, budgets and threads."""
+    from nvdcp.dcp.reader import _batched
+
+    rng = random.Random(seed)
+    devices = [torch.device("cuda", d) for d in range(rng.choice([1, 1, 2, 3]))]
+    n = rng.choice([0, 1, 2, 7, 300, 5000, 9000])
+    top = rng.choice([1 << 12, 1 << 20, 64 << 20, 1 << 30])
+    items = [(k, rng.choice(devices), rng.randint(0, top)) for k in range(n)]
+    budget = {d: rng.choice([1 << 20, 32 << 20, 256 << 20, 4 << 30]) for d in devices}
+    threads = rng.choice([1, 2, 4])
+    assert _batched(items, budget, threads) == _batched_per_item(items, budget, threads)
