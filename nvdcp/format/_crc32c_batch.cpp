@@ -588,3 +588,40 @@ extern "C" int nvdcp_merge_apply_many(const int64_t* planes, const int64_t* ns, 
   }
   return 0;
 }
+
+// The memo-index scan of a pickle (nvdcp/dcp/metadata_io.py: check_memo_indices), its common
+// opcodes: from opcode position i, step over every opcode that the scan only steps over and
+// that lies whole inside the n bytes (skip[op] >= 0: that many argument bytes; -1/-4/-8: a count
+// of that many bytes, then that many bytes), and every LONG_BINPUT (-5) whose memo index is at
+// most n. Returns the position of the first opcode it does not step over (STOP, a newline-
+// terminated one, an unknown byte, a LONG_BINPUT past n, one cut off by the end), or n: the
+// Python loop handles that one opcode exactly as before, then calls this again.
+extern "C" int64_t nvdcp_pickle_skip(const uint8_t* b, int64_t n, int64_t i, const int32_t* skip) noexcept {
+  while (i < n) {
+    const int32_t s = skip[b[i]];
+    const int64_t after = i + 1;  // the opcode's argument starts here
+    if (s >= 0) {
+      if (s > n - after) return i;
+      i = after + s;
+    } else if (s == -1) {
+      if (after >= n || b[after] > n - after - 1) return i;
+      i = after + 1 + b[after];
+    } else if (s == -4 || s == -8) {
+      const int64_t k = -s;
+      if (k > n - after) return i;
+      uint64_t v = 0;
+      for (int64_t j = k - 1; j >= 0; --j) v = (v << 8) | b[after + j];
+      if (v > static_cast<uint64_t>(n - after - k)) return i;
+      i = after + k + static_cast<int64_t>(v);
+    } else if (s == -5) {  // LONG_BINPUT: a 4-byte memo index, at most the pickle's size
+      if (4 > n - after) return i;
+      const uint64_t v = static_cast<uint64_t>(b[after]) | static_cast<uint64_t>(b[after + 1]) << 8 |
+                         static_cast<uint64_t>(b[after + 2]) << 16 | static_cast<uint64_t>(b[after + 3]) << 24;
+      if (v > static_cast<uint64_t>(n)) return i;
+      i = after + 4;
+    } else {
+      return i;
+    }
+  }
+  return i;
+}

@@ -246,8 +246,19 @@ INTERESTING = [pickle.LONG_BINPUT, pickle.PUT, pickle.STOP, pickle.BINUNICODE, p
                pickle.FRAME, pickle.BINPUT, pickle.MEMOIZE, pickle.GLOBAL, b"\n", b"\xff", b"\x00"]
 
 
+@pytest.fixture(params=["native", "regex"])
+def scan_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The memo scan with the native library's step (skipped where it is not built) or the regex's."""
+    if request.param == "native":
+        if metadata_io._native_pickle_skip() is None:
+            pytest.skip("the native library is not built (python setup.py build_ext --inplace)")
+    else:
+        monkeypatch.setattr(metadata_io, "_native_pickle_skip", lambda: None)
+    return str(request.param)
+
+
 @pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
-def test_memo_scan_agrees_on_damaged_pickles(protocol: int) -> None:
+def test_memo_scan_agrees_on_damaged_pickles(protocol: int, scan_path: str) -> None:
     blob = pickle.dumps(sample(), protocol=protocol)
     assert scan_outcome(metadata_io.check_memo_indices, blob) is None
     rng = random.Random(protocol)
@@ -268,11 +279,21 @@ def test_memo_scan_agrees_on_damaged_pickles(protocol: int) -> None:
         assert scan_outcome(metadata_io.check_memo_indices, data) == scan_outcome(reference.check_memo_indices, data)
 
 
-def test_memo_scan_still_catches_a_huge_index_after_a_long_run() -> None:
+def test_memo_scan_still_catches_a_huge_index_after_a_long_run(scan_path: str) -> None:
     blob = pickle.dumps(sample(), protocol=5)
     stop = blob.rindex(pickle.STOP)
     bad = blob[:stop] + pickle.LONG_BINPUT + (len(blob) + 10).to_bytes(4, "little") + blob[stop:]
     assert "memo index beyond the data" in str(scan_outcome(metadata_io.check_memo_indices, bad))
+
+
+def test_memo_scan_of_counted_arguments_cut_off_by_the_end(scan_path: str) -> None:
+    """Opcodes whose count or argument runs past the end: refused as the reference does."""
+    for tail in (pickle.BINUNICODE + (1 << 31).to_bytes(4, "little"), pickle.BINUNICODE8 + b"\xff" * 8,
+                 pickle.SHORT_BINUNICODE + b"\x09abc", pickle.SHORT_BINUNICODE, pickle.BINUNICODE + b"\x01",
+                 pickle.LONG_BINPUT + b"\x01\x00", pickle.BININT + b"\x00"):
+        data = pickle.PROTO + b"\x04" + tail
+        assert scan_outcome(metadata_io.check_memo_indices, data) == scan_outcome(reference.check_memo_indices, data)
+        assert scan_outcome(metadata_io.check_memo_indices, data) is not None
 
 
 # -- costs that grew faster than the checkpoint ----------------------------------------------------
