@@ -882,7 +882,8 @@ class NvcompReader(StorageReader):
                 if isinstance(md, TensorStorageMetadata)
                 for chunk in md.chunks
             }
-        found = self._chunks.get((index.fqn, tuple(index.offset or ())))
+        offset = index.offset  # a torch.Size: hashes and compares as the tuple keys do
+        found = self._chunks.get((index.fqn, offset if offset is not None else ()))
         if found is not None:
             return found
         md = self.metadata.state_dict_metadata.get(index.fqn)
@@ -977,7 +978,7 @@ class NvcompReader(StorageReader):
             return None
         req = reqs[0]
         dtype, shape = self.expected(req.storage_index)
-        if shape is None or any(req.storage_offsets) or tuple(req.lengths) != shape:
+        if shape is None or any(req.storage_offsets) or req.lengths != shape:  # (a torch.Size and a tuple)
             return None
         whole = target.detach() if target.requires_grad else target
         if not _decodes_into(whole, dtype, shape):

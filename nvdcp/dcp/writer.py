@@ -26,6 +26,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -110,10 +111,11 @@ def _spread(items: list[tuple[WriteItem, Any]], files: int) -> tuple[list[list[t
     be empty), and each list's bytes."""
     lists: list[list[tuple[WriteItem, Any]]] = [[] for _ in range(files)]
     sizes = [0] * files
-    for pair in sorted(items, key=lambda p: _item_nbytes(p[0]), reverse=True):
+    nbytes = [_item_nbytes(item) for item, _ in items]  # once per item (a dtype's size, a product)
+    for k in sorted(range(len(items)), key=nbytes.__getitem__, reverse=True):
         i = sizes.index(min(sizes))
-        lists[i].append(pair)
-        sizes[i] += _item_nbytes(pair[0]) or 1
+        lists[i].append(items[k])
+        sizes[i] += nbytes[k] or 1
     return lists, sizes
 
 
@@ -586,10 +588,8 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
         self._hand_over_commits(files, first is None)
         if first is not None:
             raise first
-        position = {item.index: i for i, item in enumerate(items)}
         results = [r for f in files for r in f.results]
-        results.sort(key=lambda r: position[r.index])  # plan order, whatever thread wrote what
-        return results
+        return _in_plan_order(results, items)
 
     def _write_file(self, file: _FileWriter) -> None:
         """Write one data file (on its thread); its error is kept in ``file.error``."""
@@ -1035,6 +1035,17 @@ def _descriptor_codec(plane_codecs: tuple[int, ...]) -> str:
     worked out once per layout: the first codec doing work."""
     ids = [c for c in plane_codecs if c != 0]
     return codec_name(ids[0]) if ids else "none"
+
+
+def _in_plan_order(results: list[WriteResult], items: list[WriteItem]) -> list[WriteResult]:
+    """``results`` in the order of their ``items``, whatever thread wrote what. Matched by the
+    index object itself (each result carries its item's; an int hash in C, where a
+    ``MetadataIndex`` hashes and compares in Python), by value for any other."""
+    position = dict(zip(map(id, map(attrgetter("index"), items)), range(len(items))))
+    if all(id(r.index) in position for r in results):
+        return sorted(results, key=lambda r: position[id(r.index)])
+    by_value = {item.index: i for i, item in enumerate(items)}
+    return sorted(results, key=lambda r: by_value[r.index])
 
 
 def _describe_item(item: WriteItem) -> str:
