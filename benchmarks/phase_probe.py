@@ -100,8 +100,7 @@ TARGETS = [
     "nvdcp.dcp.reader:NvcompReader.set_up_storage_reader",
     "nvdcp.dcp.reader:NvcompReader.prepare_local_plan",
     "nvdcp.dcp.reader:NvcompReader.read_data",
-    "nvdcp.dcp.reader:NvcompReader._decode_device",  # before session 17
-    "nvdcp.dcp.reader:NvcompReader._classify",
+    "nvdcp.dcp.reader:NvcompReader._read_table",
     "nvdcp.dcp.reader:NvcompReader._decode_devices",
     "nvdcp.dcp.reader:NvcompReader._whole_on_gpu",
     "nvdcp.dcp.reader:NvcompReader._gpu_batches",
@@ -119,6 +118,11 @@ TARGETS = [
     "nvdcp.gpu.decoder:GpuDecoder._upload",
     "nvdcp.gpu.decoder:GpuDecoder._decode",
     "nvdcp.gpu.decoder:GpuDecoder._check_decoded",
+    "nvdcp.gpu.decoder:GpuDecoder.decode_columns",
+    "nvdcp.gpu.decoder:GpuDecoder._plan_columns",
+    "nvdcp.gpu.decoder:GpuDecoder._stage_columns",
+    "nvdcp.dcp.record_columns:ColumnBatch.add_run",
+    "nvdcp.dcp.record_columns:ColumnBatch.columns",
     "nvdcp.pipeline.cpu_batch:parse_records",
     "nvdcp.pipeline.cpu_batch:decode_records",
 ]
