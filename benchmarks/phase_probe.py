@@ -78,7 +78,7 @@ TARGETS = [
     "nvdcp.dcp.writer:NvcompWriter._batch_results",
     "nvdcp.dcp.writer:_spread",
     "nvdcp.dcp.commit:CheckpointCommit.commit",
-    "nvdcp.dcp.metadata_io:dump_metadata",
+    "nvdcp.dcp.commit:dump_metadata",
     "nvdcp.pipeline.encoder:ItemEncoder.gpu_job",
     "nvdcp.pipeline.encoder:ItemEncoder.uses_gpu",
     "nvdcp.pipeline.encoder:ItemEncoder.encode_items",
