@@ -934,8 +934,8 @@ class NvcompReader(StorageReader):
             records = self.metadata.storage_data
             try:
                 self._record_keys = dict(zip(map(index_key, records), records.values()))
-            except AttributeError:  # a key that is no MetadataIndex: looked up as they are
-                self._record_keys = {}
+            except (AttributeError, TypeError):  # a key that is no MetadataIndex, an unhashable offset:
+                self._record_keys = {}  # records are then looked up one by one (_record names the bad one)
         return self._record_keys
 
     def _decode_devices(
