@@ -283,7 +283,8 @@ def check_memo_indices(blob: bytes, where: str) -> None:
     and zeroes it: one damaged byte (``MEMOIZE`` read as ``LONG_BINPUT``) made it allocate 9.5 GiB
     and spend 22 s before failing (docs/RELIABILITY.md). This walks the opcodes without building
     anything and checks every index against the size. Runs of opcodes it only steps over go by
-    in one regex match (:func:`_simple_run`), the others through the loop.
+    in one call of the native library's ``nvdcp_pickle_skip`` (or, without it, one regex match:
+    :func:`_simple_run`), the others through the loop.
     """
     n, i, skip, frombytes, run = len(blob), 0, _SKIP, int.from_bytes, _SIMPLE_RUN.match
     native = _native_pickle_skip() if type(blob) is bytes else None
@@ -421,7 +422,7 @@ def _check_layout(metadata: Metadata, where: str) -> None:
         recorded = {(k.fqn, k.offset) for k in keys if type(k) is MetadataIndex}
         unknown = True
     items = list(sdm.items())
-    one_chunk = [type(md) is TensorStorageMetadata and type(md.chunks) is list and len(md.chunks) == 1
+    one_chunk = [type(md) is TensorStorageMetadata and type(getattr(md, "chunks", None)) is list and len(md.chunks) == 1
                  for md in sdm.values()]
     if _all_whole_and_recorded(list(compress(items, one_chunk)), recorded):
         items = list(compress(items, map(not_, one_chunk)))  # the common case checked in C passes: the rest here

@@ -32,11 +32,14 @@ _request_key = attrgetter("storage_index.fqn", "storage_index.offset")
 def group_requests(items: list[ReadItem]) -> tuple[list[MetadataIndex], list[list[ReadItem]]]:
     """A plan's distinct storage items, in plan order, and each one's requests (several when a
     resharded load reads parts of one stored chunk into several tensors)."""
-    keys = list(map(_request_key, items))
+    try:
+        keys: list[object] = list(map(_request_key, items))
+    except AttributeError:  # a custom planner's index that is no MetadataIndex: grouped as it is
+        keys = [req.storage_index for req in items]
     first = dict(zip(keys, range(len(keys))))
     if len(first) == len(items):  # one request per item (a load on the saving world size)
         return [req.storage_index for req in items], [[req] for req in items]
-    groups: dict[tuple[object, object], list[ReadItem]] = {}
+    groups: dict[object, list[ReadItem]] = {}
     for key, req in zip(keys, items):
         groups.setdefault(key, []).append(req)
     reqs = list(groups.values())

@@ -173,6 +173,7 @@ DAMAGE: dict[str, Callable[[Metadata], None]] = {
         _set_chunk("w", 0, "sizes", torch.Size([0, 2]))(md),
     ),
     "chunks None": lambda md: setattr(md.state_dict_metadata["c"], "chunks", None),
+    "chunks missing": lambda md: delattr(md.state_dict_metadata["c"], "chunks"),
     "described by a chunk": lambda md: md.state_dict_metadata.__setitem__("s", _chunk(md, "a", 0)),
     "no records": lambda md: setattr(md, "storage_data", None),
     "no sdm": lambda md: setattr(md, "state_dict_metadata", []),

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
+import nvdcp
 from nvdcp.dcp.read_table import ReadTable, group_requests
 
 
@@ -54,3 +60,33 @@ def test_lengths_are_sane_refuses_negative_and_foreign_values() -> None:
     assert _table([_StorageInfo("a", 0, 3, None)]).lengths_are_sane()
     assert not _table([_StorageInfo("a", 0, 3, None), _StorageInfo("a", -1, 3, None)]).lengths_are_sane()
     assert not _table([_StorageInfo("a", 0, 3.0, None)]).lengths_are_sane()  # type: ignore[arg-type]
+
+
+def test_a_load_of_a_few_items_of_many_looks_them_up_directly(tmp_path: Path) -> None:
+    """A plan reading a small share of the records (a rank of a large resharded load) looks its
+    records up without keying all of them; the items load bit-exact either way."""
+    state = {f"w{i}": torch.randn(16, 8) for i in range(40)}
+    dcp.save(state, storage_writer=nvdcp.NvcompWriter(tmp_path), no_dist=True)
+    few = {k: torch.zeros(16, 8) for k in ("w3", "w31")}
+    reader = nvdcp.NvcompReader(tmp_path)
+    dcp.load(few, storage_reader=reader, no_dist=True)
+    assert reader._record_keys is None  # the direct path: no dictionary over every record
+    assert all(torch.equal(few[k], state[k]) for k in few)
+    everything = {k: torch.zeros(16, 8) for k in state}
+    dcp.load(everything, storage_reader=reader, no_dist=True)
+    assert reader._record_keys is not None and all(torch.equal(everything[k], state[k]) for k in state)
+
+
+def test_an_unknown_codec_is_named_at_the_first_item_of_the_plan(tmp_path: Path) -> None:
+    state = {f"w{i}": torch.randn(4) for i in range(5)}
+    dcp.save(state, storage_writer=nvdcp.NvcompWriter(tmp_path), no_dist=True)
+    reader = nvdcp.NvcompReader(tmp_path)
+    md = reader.read_metadata()
+    for info in md.storage_data.values():
+        info.transform_descriptors = ("nvdcp.bogus/1",)
+    reader.set_up_storage_reader(md, True)
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner({k: torch.zeros(4) for k in state}, md, True)
+    plan = planner.create_local_plan()
+    with pytest.raises(nvdcp.UnknownCodecError, match=f"item {plan.items[0].storage_index.fqn!r}.*unknown codec 'bogus'"):
+        reader.read_data(plan, planner)
