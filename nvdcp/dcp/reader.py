@@ -929,7 +929,7 @@ class NvcompReader(StorageReader):
         """The ``.metadata`` record of each of ``keys`` (None where there is none), through
         :meth:`_records_by_key` when the plan reads most of the checkpoint; a rank that reads a
         small share of a large one (a resharded load at many ranks) looks its few up directly
-        rather than keying every record (0.75 s per million records on the CPU machine)."""
+        rather than keying every record (0.32-0.36 s per million records on the CPU machine)."""
         assert self.metadata is not None
         records = self.metadata.storage_data
         if 4 * len(keys) < len(records) and self._record_keys is None:
