@@ -2098,9 +2098,12 @@ def base_problem(base_md: Metadata, ref: BaseRef) -> str | None:
 
 
 def describe_index(index: MetadataIndex) -> str:
-    if index.offset is None:
+    offset = getattr(index, "offset", None)
+    if not hasattr(index, "fqn"):  # a custom planner's index of another kind
+        return repr(index)
+    if offset is None:
         return repr(index.fqn)
-    return f"{index.fqn!r} offset {tuple(index.offset)}"
+    return f"{index.fqn!r} offset {tuple(offset)}"
 
 
 def is_nvdcp_checkpoint(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> bool:

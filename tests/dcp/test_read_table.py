@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex
-from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
 import nvdcp
 from nvdcp.dcp.read_table import ReadTable, group_requests
@@ -90,3 +91,13 @@ def test_an_unknown_codec_is_named_at_the_first_item_of_the_plan(tmp_path: Path)
     plan = planner.create_local_plan()
     with pytest.raises(nvdcp.UnknownCodecError, match=f"item {plan.items[0].storage_index.fqn!r}.*unknown codec 'bogus'"):
         reader.read_data(plan, planner)
+
+
+def test_a_plan_index_of_another_kind_is_refused_by_name(tmp_path: Path) -> None:
+    """A custom planner's storage index that is no MetadataIndex: a clear error naming it."""
+    dcp.save({"w": torch.randn(4)}, storage_writer=nvdcp.NvcompWriter(tmp_path), no_dist=True)
+    reader = nvdcp.NvcompReader(tmp_path)
+    reader.set_up_storage_reader(reader.read_metadata(), True)
+    odd = dataclasses.replace(_req("w", (0,), "w"), storage_index="w")  # type: ignore[arg-type]
+    with pytest.raises(nvdcp.CorruptCheckpointError, match="item 'w': no storage record"):
+        reader.read_data(LoadPlan([odd]), DefaultLoadPlanner())
