@@ -1712,7 +1712,7 @@ class _RecordRun:
 class _GpuBatch(list):  # type: ignore[type-arg]
     """A GPU batch's indexes, with each item's destination (tensor, its size in bytes) when
     decoded straight into it (None: decoded to a new tensor), and each item's record and whether
-    it is a delta, as :meth:`NvcompReader._places` gives them (found when the batches were cut)."""
+    it is a delta, as ``ReadTable.places`` (or :meth:`NvcompReader._places`) gives them, found when the batches were cut."""
 
     def __init__(self, indexes: list[MetadataIndex], targets: list[tuple[torch.Tensor, int] | None],
                  places: list[tuple[str, int, int]], deltas: list[bool]) -> None:
