@@ -20,10 +20,12 @@ caller runs in the background.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Protocol
 
 import numpy as np
@@ -35,12 +37,14 @@ from nvdcp.format.header import TRANSFORM_BYTEPLANES, ChunkTable, ItemHeader
 from nvdcp.format.header_batch import HeaderFields, header_layout, header_of, pack_headers_into
 from nvdcp.gpu import crc32c
 from nvdcp.gpu.allocator import install_allocator
+from nvdcp.gpu.merge import PLANE_COUNTS, merge_table, split_available, split_rows
 from nvdcp.gpu.nvcomp_codecs import CodecCache, typed_data_type
 from nvdcp.gpu.pinned import PinnedPool
 from nvdcp.pipeline.cpu import EncodedItem, layout_codec_ids
 from nvdcp.pipeline.delta import DeltaInput
 from nvdcp.pipeline.policy import Layout
 from nvdcp.pipeline.record_batch import RecordBatch
+from nvdcp.pipeline.tensors import flat_bytes
 from nvdcp.storage.spans import ChunkSpans
 from nvdcp.transform import delta as delta_transform
 
@@ -176,6 +180,62 @@ def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return out
 
 
+#: Segments of tensors up to this size, with nothing to difference or keep, are split by the
+#: plane kernel (:class:`_KernelSplit`); larger ones by torch copies, whose host cost per tensor
+#: is small next to their bytes.
+KERNEL_SPLIT_MAX_BYTES = 4 << 20
+
+
+def _kernel_splits(slots: torch.Tensor) -> bool:
+    """Whether the plane kernel writes into ``slots`` here: on a CUDA device with Triton, or on
+    CPU tensors under ``TRITON_INTERPRET=1`` (tests); ``NVDCP_GPU_SPLIT=0`` turns it off."""
+    if not split_available():
+        return False
+    return slots.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+class _KernelSplit:
+    """A bucket's segments split into their slots by one plane-kernel launch per plane count
+    (:func:`~nvdcp.gpu.merge.split_rows`): a table row per block holds the address of its first
+    element, its element count and the address of each plane's slot, made in numpy from one
+    address per tensor. Replaces a concatenation, a transposed copy and an indexed write per
+    group of tensors of one shape, which needed a flat uint8 view of each tensor (made per
+    item on the main thread) and an index upload per group."""
+
+    def __init__(self, chunk_bytes: int) -> None:
+        self.c = chunk_bytes
+        #: per plane count: one ``(address, elements, first block, blocks, first slot)`` per segment
+        self.by_planes: dict[int, list[tuple[int, int, int, int, int]]] = {}
+
+    @staticmethod
+    def takes(job: GpuJob) -> bool:
+        return (job.delta is None and job.keep is None and job.n_planes in PLANE_COUNTS
+                and 0 < job.nbytes <= KERNEL_SPLIT_MAX_BYTES)
+
+    def add(self, job: GpuJob, seg: _Segment) -> None:
+        if seg.n_blocks:
+            self.by_planes.setdefault(job.n_planes, []).append(
+                (job.data.data_ptr(), job.elements, seg.first_block, seg.n_blocks, seg.first_slot))
+
+    def run(self, slots: torch.Tensor) -> None:
+        """Queue the splits on the current stream. Each table goes up from pinned memory (an
+        upload from pageable memory waits for the stream's work; torch's pinned-memory cache
+        keeps the buffer until the copy is done)."""
+        c, base = self.c, slots.data_ptr()
+        for p, cols in self.by_planes.items():
+            addr, m, first_block, n_blocks, first_slot = np.asarray(cols, dtype=np.int64).T
+            seg_of = np.repeat(np.arange(len(cols)), n_blocks)
+            b = np.arange(len(seg_of), dtype=np.int64) - np.repeat(np.cumsum(n_blocks) - n_blocks, n_blocks)
+            block = first_block[seg_of] + b
+            counts = np.minimum(c, m[seg_of] - block * c)
+            rows = first_slot[seg_of] + b * p
+            table = torch.from_numpy(merge_table(addr[seg_of] + block * (c * p), counts,
+                                                 base + (rows[:, None] + np.arange(p, dtype=np.int64)) * c))
+            if slots.is_cuda:
+                table = table.pin_memory().to(slots.device, non_blocking=True)
+            split_rows(table, p, int(counts.max()))
+
+
 def split_run(run: list[tuple[GpuJob, int]], slots: torch.Tensor, chunk_bytes: int,
               keep_stream: torch.cuda.Stream | None = None) -> None:
     """Write a run of ``(job, first slot)`` into the slots, each job kept (its raw bytes copied
@@ -192,9 +252,9 @@ def split_run(run: list[tuple[GpuJob, int]], slots: torch.Tensor, chunk_bytes: i
     jobs = [job for job, _ in run]
     first = jobs[0]
     p, c = first.n_planes, chunk_bytes
-    sizes = [job.data.numel() for job in jobs]
+    sizes = [job.nbytes for job in jobs]
     offsets = np.concatenate(([0], np.cumsum(sizes)))
-    new = first.data if len(jobs) == 1 else torch.cat([job.data for job in jobs])
+    new = first.flat if len(jobs) == 1 else torch.cat([job.flat for job in jobs])
     spans = list(zip(offsets[:-1].tolist(), offsets[1:].tolist()))
     out = None
     if first.delta is not None:
@@ -258,7 +318,11 @@ class GpuJob:
     """One tensor to encode on its device."""
 
     key: Any
-    data: torch.Tensor  # flat, contiguous uint8 view of the tensor's elements, on the GPU
+    #: the tensor whose elements are stored: contiguous, on the GPU, of any dtype (or already
+    #: its flat uint8 view). The plane kernel reads it by address; torch copies use :attr:`flat`.
+    #: No view per tensor is made up front: two torch calls per item were a third of the main
+    #: thread's part of a GPU save of 20,000 small tensors (H100, py-spy, twenty-first session).
+    data: torch.Tensor
     layout: Layout
     dtype: torch.dtype
     dtype_code: int
@@ -268,10 +332,22 @@ class GpuJob:
     delta: DeltaInput | None = None
     #: host uint8 memory that receives the tensor's raw bytes (the next save's base)
     keep: torch.Tensor | None = None
+    #: bytes of ``data``
+    nbytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.nbytes = self.data.nbytes
 
     def whole(self, layout: Layout) -> GpuJob:
         """This job stored whole with ``layout`` (its bytes already kept)."""
         return GpuJob(self.key, self.data, layout, self.dtype, self.dtype_code, self.shape, self.kind)
+
+    @cached_property
+    def flat(self) -> torch.Tensor:
+        """``data``'s bytes as a flat uint8 view (made on first use)."""
+        if not self.nbytes:
+            return torch.empty(0, dtype=torch.uint8, device=self.data.device)
+        return flat_bytes(self.data)
 
     @property
     def n_planes(self) -> int:
@@ -280,7 +356,7 @@ class GpuJob:
     @property
     def elements(self) -> int:
         """Bytes per plane: elements for byte planes, bytes without a transform."""
-        return self.data.numel() // self.n_planes
+        return self.nbytes // self.n_planes
 
 
 @dataclass
@@ -504,8 +580,10 @@ class GpuEncoder:
     def _split_planes(self, jobs: list[GpuJob], bucket: _Bucket, slots: torch.Tensor) -> None:
         """Copy each segment's blocks into its slots, one plane per slot (reads the tensors).
 
-        Tensors of one block or of whole blocks, held by one segment, with nothing to difference
-        or keep, go in groups of one shape (:func:`split_small_tensors`): a few copies per group
+        Where the plane kernel runs, segments of tensors up to ``KERNEL_SPLIT_MAX_BYTES`` with
+        nothing to difference or keep are split by it (:class:`_KernelSplit`), read by address.
+        Without it, tensors of one block or of whole blocks, held by one segment, with nothing to
+        difference or keep, go in groups of one shape (:func:`split_small_tensors`): a few copies per group
         instead of two or three torch calls per tensor, which took most of the encode thread's
         time for 20,000 small tensors (for those of several blocks still 56% of its stack samples,
         cpu_pipeline_profile_2026-12-01_h200_session7_small-save_cuda.json). Such tensors with a
@@ -514,6 +592,7 @@ class GpuEncoder:
         (delta_bench_2026-12-01_h200_decay_session8.json, profiles)."""
         c = self.chunk_bytes
         small: dict[tuple[int, int, int], tuple[list[torch.Tensor], list[int]]] = {}
+        kernel = _KernelSplit(c) if _kernel_splits(slots) else None
         for run in self._runs(jobs, bucket):
             split_run(run, slots, c, self.keep_stream)
         for seg in bucket.segments:
@@ -522,16 +601,19 @@ class GpuEncoder:
             whole = seg.first_block == 0 and seg.n_blocks * c >= m  # the segment holds all of it
             if _runnable(job, seg, c):
                 continue  # written by its run
+            if kernel is not None and kernel.takes(job):
+                kernel.add(job, seg)
+                continue
             if whole and 0 < m and (m <= c or m % c == 0) and job.delta is None and job.keep is None:
                 # one block, or whole blocks only (no tail): grouped with tensors of its shape
                 sources, first_slots = small.setdefault((p, min(m, c), max(1, m // c)), ([], []))
-                sources.append(job.data)
+                sources.append(job.flat)
                 first_slots.append(seg.first_slot)
                 continue
             start = seg.first_block * c
             m = min(job.elements, (seg.first_block + seg.n_blocks) * c) - start
             full, tail = divmod(m, c)
-            src = job.data[start * p : (start + m) * p]
+            src = job.flat[start * p : (start + m) * p]
             base = None
             if job.delta is not None and job.delta.base is not None:
                 # the base's bytes reach the GPU before the same host memory receives the new ones
@@ -553,6 +635,8 @@ class GpuEncoder:
                     region[full, :tail].copy_(src[full * c :])
         for (p, m, blocks), (sources, first_slots) in small.items():
             split_small_tensors(sources, first_slots, p, m, slots, blocks)
+        if kernel is not None:
+            kernel.run(slots)
 
     def _runs(self, jobs: list[GpuJob], bucket: _Bucket) -> Iterator[list[tuple[GpuJob, int]]]:
         """The bucket's runs for :func:`split_run`: its runnable jobs (:func:`_runnable`) grouped
@@ -570,13 +654,13 @@ class GpuEncoder:
             key = (job.dtype, job.layout.transform, job.delta is not None)
             cap = DELTA_RUN_BYTES if job.delta is not None else SMALL_SPLIT_BYTES
             run = runs.setdefault(key, [])
-            if run and sizes[key] + job.data.numel() > cap:
+            if run and sizes[key] + job.nbytes > cap:
                 yield run
                 run = runs[key] = []
             if not run:
                 sizes[key] = 0
             run.append((job, seg.first_slot))
-            sizes[key] += job.data.numel()
+            sizes[key] += job.nbytes
         yield from (run for run in runs.values() if run)
 
     def _launch(self, jobs: list[GpuJob], bucket: _Bucket, parity: int) -> _Launched:
@@ -732,7 +816,7 @@ class GpuEncoder:
 
     def _item(self, job: GpuJob, spans: ChunkSpans, crcs: np.ndarray) -> EncodedItem:
         header = ItemHeader(
-            kind=job.kind, dtype_code=job.dtype_code, shape=job.shape, raw_nbytes=job.data.numel(),
+            kind=job.kind, dtype_code=job.dtype_code, shape=job.shape, raw_nbytes=job.nbytes,
             transform=job.layout.transform, plane_codecs=tuple(codec_id(n) for n in job.layout.plane_codecs),
             chunks=ChunkTable.from_columns(spans.sizes, crcs), chunk_bytes=self.chunk_bytes,
             base_digest=job.delta.base_digest if job.delta is not None else None,
@@ -848,7 +932,7 @@ def _fields(job: GpuJob, chunk_bytes: int) -> HeaderFields:
     delta = job.delta
     return HeaderFields(
         job.kind, job.dtype_code, job.layout.transform, layout_codec_ids(job.layout.plane_codecs), job.shape,
-        chunk_bytes, job.data.numel(), delta.base_digest if delta is not None else None,
+        chunk_bytes, job.nbytes, delta.base_digest if delta is not None else None,
         delta_transform.kind_for(job.dtype) if delta is not None else 0,
     )
 

@@ -40,7 +40,7 @@ from nvdcp.pipeline.cpu_batch import encode_delta_batch, encode_tensor_batch, en
 from nvdcp.pipeline.delta import DeltaInput, DeltaTensor
 from nvdcp.pipeline.policy import GPU_AUTO_CODEC, choose_delta_layout, choose_layout
 from nvdcp.pipeline.record_batch import RecordBatch
-from nvdcp.pipeline.tensors import flat_bytes, plain, tensor_to_host_bytes
+from nvdcp.pipeline.tensors import plain, tensor_to_host_bytes
 from nvdcp.transform import delta as delta_transform
 
 if TYPE_CHECKING:
@@ -193,9 +193,10 @@ class ItemEncoder:
         t = plain(tensor.tensor if isinstance(tensor, DeltaTensor) else tensor)
         if not t.is_cuda:
             t = t.to(torch.device("cuda", torch.cuda.current_device()))
-        flat = flat_bytes(t) if t.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
+        # the tensor itself, read by address (a flat byte view is made only where torch copies it)
+        data = t if t.is_contiguous() else t.contiguous()
         layout = choose_layout(t.dtype, self.config.codec, auto_codec=GPU_AUTO_CODEC)
-        job = GpuJob(key, flat, layout, t.dtype, _dtype_code(t.dtype, where), tuple(t.shape), KIND_TENSOR)
+        job = GpuJob(key, data, layout, t.dtype, _dtype_code(t.dtype, where), tuple(t.shape), KIND_TENSOR)
         if delta is not None:
             job.keep = delta.keep
             delta_layout = (choose_delta_layout(t.dtype, self.config.codec, GPU_AUTO_CODEC, delta.plane_codecs)

@@ -1,0 +1,99 @@
+"""The plane kernel's split (nvdcp/gpu/merge.py) against the torch copies it replaces in
+GpuEncoder._split_planes: the same slot bytes for jobs of every plane count, one block or
+several, with and without a tail, jobs read by address from tensors of their own dtype and shape
+(as ItemEncoder.gpu_job makes them) or from flat byte views, a job split over two segments and a
+job over the kernel's size bound (torch's). On the device, and on the host under Triton's
+interpreter (no GPU needed; skipped without triton, as in CI)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from nvdcp.gpu import encoder as encoder_module
+from nvdcp.gpu.encoder import GpuEncoder, GpuJob, _Bucket, _Segment
+from nvdcp.pipeline.policy import choose_layout
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _tensor(rng: np.random.Generator, dtype: torch.dtype, elements: int, device: torch.device, typed: bool) -> torch.Tensor:
+    """Random bytes as ``elements`` elements of ``dtype``: a tensor of that dtype (2-D where it
+    divides) when ``typed``, else its flat uint8 view."""
+    size = torch.empty((), dtype=dtype).element_size()
+    flat = torch.from_numpy(rng.integers(0, 256, size=elements * size, dtype=np.uint8)).to(device)
+    if not typed:
+        return flat
+    t = flat.view(dtype)
+    return t.view(-1, 8) if elements % 8 == 0 else t
+
+
+def _bucket(seed: int, c: int, device: torch.device) -> tuple[list[GpuJob], _Bucket]:
+    rng = np.random.default_rng(seed)
+    shapes = [
+        (torch.float32, 7), (torch.float32, c), (torch.float32, 3 * c + 5), (torch.bfloat16, 1),
+        (torch.bfloat16, 2 * c), (torch.uint8, c + 1), (torch.float64, 100), (torch.complex128, 33),
+        (torch.float32, (encoder_module.KERNEL_SPLIT_MAX_BYTES // 4) + c),  # over the bound
+        (torch.float32, 4 * c),  # split over two segments below
+    ]
+    jobs = []
+    for i, (dtype, elements) in enumerate(shapes):
+        data = _tensor(rng, dtype, elements, device, typed=i % 2 == 0)
+        jobs.append(GpuJob(str(dtype), data, choose_layout(dtype, "zstd"), dtype, 0, (elements,)))
+    bucket = _Bucket()
+    for j, job in enumerate(jobs):
+        blocks = -(-job.elements // c)
+        parts = [(0, blocks)] if j != len(jobs) - 1 else [(0, 2), (2, 2)]
+        for first, n in parts:
+            bucket.slots += 1  # an untouched row between segments
+            bucket.segments.append(_Segment(j, first, n, bucket.slots))
+            bucket.slots += n * job.n_planes
+    return jobs, bucket
+
+
+def check_split(device: torch.device, seed: int, c: int) -> None:
+    """Assert the kernel writes what the torch copies write (the kernel must run here)."""
+    jobs, bucket = _bucket(seed, c, device)
+    encoder = object.__new__(GpuEncoder)
+    encoder.chunk_bytes = c
+    fill = torch.from_numpy(np.random.default_rng(seed + 100).integers(0, 256, size=(bucket.slots, c), dtype=np.uint8))
+    fill = fill.to(device)
+    got, want = fill.clone(), fill.clone()
+    assert encoder_module._kernel_splits(got)
+    encoder._split_planes(jobs, bucket, got)
+    saved = encoder_module.split_available
+    encoder_module.split_available = lambda: False  # type: ignore[assignment]
+    try:
+        encoder._split_planes(jobs, bucket, want)
+    finally:
+        encoder_module.split_available = saved
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, fill)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("c", [1024, 65536])
+def test_kernel_split_writes_what_the_torch_copies_write(seed: int, c: int) -> None:
+    pytest.importorskip("triton")
+    check_split(torch.device("cuda", 0), seed, c)
+
+
+def test_kernel_split_on_the_host_under_the_interpreter() -> None:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "NVDCP_GPU_SPLIT": "1",
+           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    code = ("import torch; from tests.gpu.test_split_kernel import check_split\n"
+            "for seed in range(2):\n    check_split(torch.device('cpu'), seed, 1024)\nprint('split ok')")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "split ok" in done.stdout
