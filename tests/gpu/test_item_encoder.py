@@ -277,10 +277,12 @@ def test_gpu_job_moves_host_tensors_to_the_gpu(make_encoder: Any) -> None:
     enc = make_encoder("auto")
     t = weights_like((30, 40), seed=12)[:, ::2]
     job = enc.gpu_job("k", t, "k")
-    assert job.data.is_cuda and job.data.dtype == torch.uint8 and job.data.is_contiguous()
+    # the tensor itself, made contiguous on the GPU (read by address); its bytes on demand
+    assert job.data.is_cuda and job.data.dtype == torch.float32 and job.data.is_contiguous()
+    assert job.nbytes == 30 * 20 * 4 and job.flat.dtype == torch.uint8 and job.flat.shape == (job.nbytes,)
     assert job.shape == (30, 20) and job.dtype == torch.float32 and job.dtype_code == dtype_code(torch.float32)
     assert job.layout == choose_layout(torch.float32, "auto", auto_codec=GPU_AUTO_CODEC)
-    assert bytes(job.data.cpu().numpy()) == bytes(t.contiguous().view(torch.uint8).reshape(-1).numpy())
+    assert bytes(job.flat.cpu().numpy()) == bytes(t.contiguous().view(torch.uint8).reshape(-1).numpy())
 
 
 def test_gpu_only_codec_encodes_host_tensors_on_the_gpu(make_encoder: Any) -> None:
