@@ -93,27 +93,36 @@ class Report:
         )
 
     @classmethod
-    def from_metadata(cls, op: str, url: str, metadata: Any) -> Report:
+    def from_metadata(cls, op: str, url: str, metadata: Any, raw_bytes: int | None = None) -> Report:
         """Whole-checkpoint totals from a ``Metadata`` whose ``storage_data`` is filled in.
 
         An item's raw bytes are those of the first chunk of its tensor at its offsets, or its
         stored length when there is none (bytes items). One lookup table for all chunks, and
         the records walked by ``map`` (no Python loop per item): the coordinator runs this over
         every item of the checkpoint, 14 million at 16,384 ranks (docs/SCALE.md).
+        ``raw_bytes``: the raw total when the caller knows it (a save by one rank counted its
+        own), so only the stored bytes and items are counted here (the raw total took 20 of
+        the 27 ms per 20,000 items on the CPU machine).
         """
         from nvdcp.dcp.collector import gc_paused
 
         with gc_paused():  # millions of temporary tuples: no collector passes over the heap
-            return cls._totals(cls(op, url), metadata)
+            return cls._totals(cls(op, url), metadata, raw_bytes)
 
     @staticmethod
-    def _totals(report: Report, metadata: Any) -> Report:
+    def _totals(report: Report, metadata: Any, raw_bytes: int | None = None) -> Report:
         records = metadata.storage_data or {}
-        keys, lengths = list(records), list(map(attrgetter("length"), records.values()))
+        lengths = list(map(attrgetter("length"), records.values()))
+        if raw_bytes is not None and (not lengths or min(lengths) > 0):  # every record an item
+            report.raw_bytes, report.items, report.stored_bytes = raw_bytes, len(lengths), sum(lengths)
+            return report
+        keys = list(records)
         totals = _totals_by_hint(metadata.state_dict_metadata, keys, lengths)
         if totals is None:
             totals = _totals_by_table(metadata.state_dict_metadata, keys, lengths)
         report.raw_bytes, report.items = totals
+        if raw_bytes is not None:
+            report.raw_bytes = raw_bytes
         report.stored_bytes = sum(lengths)
         return report
 

@@ -481,15 +481,17 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
             crc = getattr(metadata, DIGEST_ATTR, {}).get("crc") if digests is not None else None
             self.delta.committed(SaveRef(self.path, self.save_id, base.depth if base else 0, crc))
         del blob
-        total = Report.from_metadata("save", self.storage.url, metadata)
-        if self.last_report is not None:
-            # whole-checkpoint bytes, this rank's phase times (the coordinator's view)
-            total.seconds = self.last_report.seconds
-            total.add(0, 0, **self.last_report.phases)
-            if len(results) == 1:
-                total.raw_bytes = self.last_report.raw_bytes
+        own = self.last_report
+        # whole-checkpoint bytes, this rank's phase times (the coordinator's view); a save by
+        # one rank has counted its raw bytes already
+        known_raw = own.raw_bytes if own is not None and len(results) == 1 else None
+        total = Report.from_metadata("save", self.storage.url, metadata, raw_bytes=known_raw)
+        if own is not None:
+            total.seconds = own.seconds
+            total.add(0, 0, **own.phases)
         self.last_report = total
-        logger.info("nvdcp save %s", total.summary())
+        if logger.isEnabledFor(logging.INFO):
+            logger.info("nvdcp save %s", total.summary())
 
     def _identical_save_policy(self) -> str:
         """``on_identical_save`` of this save: its stager's when that sets one, else this writer's."""

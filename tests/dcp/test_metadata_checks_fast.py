@@ -352,6 +352,19 @@ def test_save_report_totals_unchanged() -> None:
         assert report_module._totals_by_table(md.state_dict_metadata, keys, lengths) == (report.raw_bytes, report.items)
 
 
+def test_save_report_with_known_raw_bytes_counts_the_rest_as_before() -> None:
+    """A one-rank save passes its own raw total: stored bytes and items as the full count
+    gives them; a record storing no bytes sends it to the full count (items then differ)."""
+    md = _sharded(8)
+    full = Report.from_metadata("save", "u", md)
+    quick = Report.from_metadata("save", "u", md, raw_bytes=12345)
+    assert (quick.raw_bytes, quick.stored_bytes, quick.items) == (12345, full.stored_bytes, full.items)
+    md.storage_data[MetadataIndex("b", torch.Size([5]))] = _StorageInfo("x", 0, 0, DESC)  # stores nothing
+    full = Report.from_metadata("save", "u", md)
+    counted = Report.from_metadata("save", "u", md, raw_bytes=777)
+    assert (counted.raw_bytes, counted.items) == (777, full.items) and full.items == len(md.storage_data) - 1
+
+
 def test_save_report_is_linear_in_ranks() -> None:
     """40,000 chunks per tensor: the scan per item took minutes (800M list comparisons)."""
     md = _sharded(40_000)
