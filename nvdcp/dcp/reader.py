@@ -1463,13 +1463,15 @@ class NvcompReader(StorageReader):
         results: list[tuple[MetadataIndex, ItemHeader | None, Any]] = []
         raw = 0
         for item, (header, sizes_i, starts_i, _) in zip(items, parsed):
-            out = item.out if item.out is not None else np.empty(header.raw_nbytes, dtype=np.uint8)
+            dest = item.out_view()
+            out = dest if dest is not None else np.empty(header.raw_nbytes, dtype=np.uint8)
             try:
                 decode_blocks(header, buf, starts_i.tolist(), sizes_i.tolist(), out, range(header.n_blocks), "")
             except (CorruptCheckpointError, CodecUnavailableError) as exc:
                 raise _named(exc, self.where(item.index)) from exc.__cause__
             raw += header.raw_nbytes
-            results.append((item.index, header, _InPlace(item.target) if item.target is not None else out))
+            results.append((item.index, header,
+                            _InPlace(item.target) if item.target is not None and dest is not None else out))
         report.add(raw, int(buf.size), read_s=t1 - t0, decode_s=time.perf_counter() - t1)
         return results
 
@@ -1492,8 +1494,13 @@ class NvcompReader(StorageReader):
         fields = parsed.fields
         if any(codec_problem((cid,)) is not None for cid in np.unique(fields.codecs).tolist()):
             return None  # a codec not decodable here: the one-by-one path says which
-        outs = []
+        outs: list[np.ndarray | int] = []
         for item, raw in zip(items, fields.raw.tolist()):
+            if item.target_at:  # in place, by address
+                if item.target is None or item.target.nbytes != raw:
+                    return None
+                outs.append(item.target_at)
+                continue
             out = item.out
             if out is None:
                 out = np.empty(raw, dtype=np.uint8)
@@ -1524,8 +1531,9 @@ class NvcompReader(StorageReader):
             header = parse_item_header(record, "")
             check_decodable(header, item.element_size, "")
             self._check_against_metadata(header, item.dtype, item.shape, item.element_size, "")
-            if item.out is not None and item.out.size != header.raw_nbytes:
-                raise CorruptCheckpointError(f": {header.raw_nbytes} stored bytes for a {item.out.size}-byte destination")
+            dest = item.out_view()
+            if dest is not None and dest.size != header.raw_nbytes:
+                raise CorruptCheckpointError(f": {header.raw_nbytes} stored bytes for a {dest.size}-byte destination")
         except (CorruptCheckpointError, CodecUnavailableError, FormatVersionError) as exc:
             raise _named(exc, self.where(item.index)) from exc.__cause__
         sizes, crcs = chunk_table(header)
@@ -1878,6 +1886,17 @@ class _CpuItem:
     resolved: bool = False
     target: torch.Tensor | None = None
     out: np.ndarray | None = None
+    #: ``target``'s address when it is decoded into by address (``out`` then None until
+    #: :meth:`out_view`): no numpy view per item on the main thread, where three torch calls
+    #: and ``ndarray.ctypes`` cost about 5 µs an item
+    target_at: int = 0
+
+    def out_view(self) -> np.ndarray | None:
+        """Where the one-by-one decoders write: ``out``, or a flat view of ``target`` made on
+        first use (None: it does not view as bytes; the item then decodes into a buffer)."""
+        if self.out is None and self.target is not None:
+            self.out = _flat_view(self.target)
+        return self.out
 
 
 @dataclasses.dataclass
@@ -1936,25 +1955,34 @@ class _CpuPlan:
             return
         item.resolved = True
         if item.req is not None and self.planner is not None:
-            target = self.planner.resolve_tensor(item.req).detach()
-            flat = _flat_destination(target, item.dtype, item.shape)
-            if flat is not None:
-                item.target, item.out = target, flat
-                return
+            target = self.planner.resolve_tensor(item.req)
+            if target.requires_grad:
+                target = target.detach()
+            if _decodes_in_place(target, item.dtype, item.shape):
+                if item.parts == 1:  # decoded by address (batches: all of it at once)
+                    item.target, item.target_at = target, target.data_ptr()
+                    return
+                flat = _flat_view(target)  # the parts of a large item share one view, made here
+                if flat is not None:
+                    item.target, item.out = target, flat
+                    return
         if item.parts > 1 and item.dtype is not None and item.shape is not None:
             item.out = np.empty(tensor_nbytes(item.shape, item.dtype), dtype=np.uint8)
 
 
-def _flat_destination(target: torch.Tensor, dtype: torch.dtype | None, shape: tuple[int, ...] | None) -> np.ndarray | None:
-    """``target``'s memory as flat uint8 when the stored tensor can be decoded straight into it:
-    a dense CPU tensor of the stored dtype and shape (no lazy conjugation or negation). Few torch
-    calls: this runs once per item."""
+def _decodes_in_place(target: torch.Tensor, dtype: torch.dtype | None, shape: tuple[int, ...] | None) -> bool:
+    """Whether the stored tensor can be decoded straight into ``target``'s memory: a dense CPU
+    tensor of the stored dtype and shape (no lazy conjugation or negation). Few torch calls:
+    this runs once per item."""
     if type(target) is not torch.Tensor or not target.is_cpu or target.dtype != dtype or target.shape != shape:
-        return None
+        return False
     if not target.is_contiguous():
-        return None
-    if dtype.is_complex and (target.is_conj() or target.is_neg()):
-        return None
+        return False
+    return not (dtype.is_complex and (target.is_conj() or target.is_neg()))
+
+
+def _flat_view(target: torch.Tensor) -> np.ndarray | None:
+    """A dense CPU tensor's memory as flat uint8 (None: it does not view so)."""
     try:
         flat: np.ndarray = target.view(torch.uint8).numpy().reshape(-1)
     except (RuntimeError, TypeError, ValueError):  # 0-d tensors do not view as another element size
@@ -1963,6 +1991,12 @@ def _flat_destination(target: torch.Tensor, dtype: torch.dtype | None, shape: tu
         except (RuntimeError, TypeError, ValueError):
             return None
     return flat
+
+
+def _flat_destination(target: torch.Tensor, dtype: torch.dtype | None, shape: tuple[int, ...] | None) -> np.ndarray | None:
+    """``target``'s memory as flat uint8 when the stored tensor can be decoded straight into it
+    (:func:`_decodes_in_place`)."""
+    return _flat_view(target) if _decodes_in_place(target, dtype, shape) else None
 
 
 @dataclasses.dataclass

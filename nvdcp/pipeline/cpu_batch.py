@@ -569,10 +569,11 @@ def _native_merge_apply_many() -> Callable[..., int] | None:
     return fn  # type: ignore[no-any-return]
 
 
-def decode_records(buf: np.ndarray, parsed: ParsedRecords, outs: Sequence[np.ndarray], threads: int = 1,
+def decode_records(buf: np.ndarray, parsed: ParsedRecords, outs: Sequence[np.ndarray | int], threads: int = 1,
                    apply: Sequence[tuple[int, int] | None] | None = None) -> None:
-    """Decode every record of ``parsed`` into ``outs[i]`` (its raw bytes, flat contiguous uint8 of
-    the record's size). The chunks' CRC32Cs must have been checked and the codecs be decodable
+    """Decode every record of ``parsed`` into ``outs[i]`` (its raw bytes: flat contiguous uint8
+    of the record's size, or the address of such memory, e.g. a dense tensor's ``data_ptr()``,
+    whose size the caller checked). The chunks' CRC32Cs must have been checked and the codecs be decodable
     here (:func:`~nvdcp.pipeline.cpu.check_decodable`). Each codec decodes all its chunks in one
     call (:meth:`~nvdcp.codecs.base.Codec.decode_ranges`); the planes of every block are then
     interleaved into place by one native call per plane count. ``apply[i]``, when given as
@@ -608,7 +609,7 @@ def decode_records(buf: np.ndarray, parsed: ParsedRecords, outs: Sequence[np.nda
             decoded = plane_cpu_codecs((cid,))[0].decode_ranges(buf, parsed.starts[sel], parsed.sizes[sel], block_raw[sel], threads)
             keep.append(decoded.owner)
             pointers[sel] = decoded.addresses
-    out_addr = np.fromiter((o.ctypes.data for o in outs), dtype=np.int64, count=len(outs))
+    out_addr = np.fromiter((o if isinstance(o, int) else o.ctypes.data for o in outs), dtype=np.int64, count=len(outs))
     firsts = local % e == 0  # the first chunk of every block
     dsts = out_addr[chunk_item[firsts]] + block[firsts] * cb[chunk_item[firsts]] * e[firsts]
     # per block: its plane count, and the delta kind and element size its record applies (-1, 0: none)

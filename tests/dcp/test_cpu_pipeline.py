@@ -226,6 +226,41 @@ def test_sound_batches_decode_together_and_damage_falls_back(tmp_path: Path, mon
     assert "small.5" in one_by_one
 
 
+@pytest.mark.parametrize("path", ["together", "one_by_one"])
+@pytest.mark.parametrize("parts", [False, True])
+def test_cpu_items_decode_into_the_planners_tensors_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str, parts: bool
+) -> None:
+    """Whole tensors land in the planner's own tensors, bit-exact: by address in batches, through
+    a view made on demand on the one-by-one path, and through one shared view for a large item's
+    parts (0-d, empty, bool and complex items included); tensors that cannot take the bytes as
+    they are (non-contiguous) are filled by copy."""
+    monkeypatch.setattr(reader_module, "gpu_available", lambda: False)
+    if parts:
+        monkeypatch.setattr(reader_module, "CPU_SEGMENT_BYTES", 100_000)
+    if path == "one_by_one":
+        monkeypatch.setattr(reader_module.NvcompReader, "_decode_together", lambda self, *args: None)
+    in_place: dict[str, bool] = {}
+    commit = reader_module.NvcompReader._commit_loaded
+
+    def spy(self: Any, reqs: Any, header: Any, data: Any, planner: Any) -> None:
+        in_place[reqs[0].dest_index.fqn] = isinstance(data, reader_module._InPlace)
+        commit(self, reqs, header, data, planner)
+
+    monkeypatch.setattr(reader_module.NvcompReader, "_commit_loaded", spy)
+    sd = _odd_state()
+    save(sd, tmp_path)
+    back = _fresh(sd)
+    back["non_contiguous"] = torch.empty(64, 48).t()  # a destination that cannot take the bytes as they are
+    before = {k: v.data_ptr() for k, v in back.items() if isinstance(v, torch.Tensor)}
+    load(back, tmp_path)
+    _check(sd, back)
+    assert {k: v.data_ptr() for k, v in back.items() if isinstance(v, torch.Tensor)} == before
+    dense = [k for k, v in back.items() if isinstance(v, torch.Tensor) and v.is_contiguous() and v.numel()]
+    assert all(in_place[k] for k in dense), {k: in_place.get(k) for k in dense}
+    assert in_place["non_contiguous"] is False
+
+
 def test_which_host_bound_records_auto_decodes_on_the_cpu() -> None:
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
