@@ -1956,7 +1956,7 @@ class _CpuPlan:
         item.resolved = True
         if item.req is not None and self.planner is not None:
             target = self.planner.resolve_tensor(item.req)
-            if target.requires_grad:
+            if target.requires_grad or type(target) is not torch.Tensor:  # (a Parameter: its data)
                 target = target.detach()
             if _decodes_in_place(target, item.dtype, item.shape):
                 if item.parts == 1:  # decoded by address (batches: all of it at once)

@@ -252,6 +252,7 @@ def test_cpu_items_decode_into_the_planners_tensors_in_place(
     save(sd, tmp_path)
     back = _fresh(sd)
     back["non_contiguous"] = torch.empty(64, 48).t()  # a destination that cannot take the bytes as they are
+    back["small.0"] = torch.nn.Parameter(torch.empty(37), requires_grad=False)  # a frozen parameter: its data
     before = {k: v.data_ptr() for k, v in back.items() if isinstance(v, torch.Tensor)}
     load(back, tmp_path)
     _check(sd, back)
