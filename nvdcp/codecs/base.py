@@ -13,7 +13,7 @@ changed bitstream gets a new id, never a new meaning for an old one (golden file
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +48,30 @@ class DecodedStreams:
         return np.ctypeslib.as_array((ctypes.c_uint8 * length).from_address(int(self.addresses[i])))
 
 
+@dataclass(frozen=True)
+class PackedStreams(Sequence[memoryview]):
+    """What a batch encoder may return from :meth:`Codec.encode_ranges`: the streams back to
+    back in ``data`` (uint8), stream ``i`` being ``lengths[i]`` bytes. A caller that gathers the
+    streams into one buffer anyway takes ``data`` as it is."""
+
+    data: np.ndarray
+    lengths: np.ndarray  # int64
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> memoryview:  # type: ignore[override]
+        start = int(self.lengths[:i].sum())
+        return self.data.data[start : start + int(self.lengths[i])]
+
+    def __iter__(self) -> Iterator[memoryview]:
+        view = self.data.data
+        start = 0
+        for n in self.lengths.tolist():
+            yield view[start : start + n]
+            start += n
+
+
 class Codec(ABC):
     """One compression algorithm with a stable id and bitstream.
 
@@ -76,9 +100,15 @@ class Codec(ABC):
         CPU implementation (no implementation, or its library is missing)."""
 
     def for_sparse_planes(self) -> Codec:
-        """The instance to encode float sign+exponent planes with (near-iid bytes of low
-        entropy): a variant tuned for them that writes the same bitstream format, or ``self``."""
+        """The instance to encode sparse planes with (a delta's difference planes: mostly zero
+        bytes and short runs): a variant tuned for them that writes the same bitstream format,
+        or ``self``."""
         return self
+
+    def for_float_planes(self) -> Codec:
+        """The instance to encode float sign+exponent planes with (near-iid bytes of low
+        entropy, where repeats are rare): by default the sparse-plane variant."""
+        return self.for_sparse_planes()
 
     @abstractmethod
     def encode(self, chunk: Buffer) -> bytes:

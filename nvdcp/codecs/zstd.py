@@ -14,6 +14,7 @@ import numpy as np
 import zstandard
 
 from nvdcp.codecs.base import Buffer, Codec, DecodedStreams
+from nvdcp.codecs.zstd_literals import LiteralsCompressor, literals_compressor
 
 #: Level 1 with its large-input parameters (min_match 7, fast strategy). On the sign+exponent
 #: plane of bf16 weights it compressed 2.75x at ~0.3 GB/s a core, against 2.43x for level 3
@@ -36,20 +37,39 @@ class ZstdCodec(Codec):
     codec_id = 1
     nvcomp_algorithm = "Zstd"
 
-    def __init__(self, level: int = DEFAULT_LEVEL, hash_log: int | None = None) -> None:
+    def __init__(self, level: int = DEFAULT_LEVEL, hash_log: int | None = None, literals: bool = False) -> None:
         self.level = level
         self.hash_log = hash_log
         # zstandard's (de)compressor objects are not thread-safe: one per thread.
         self._local = threading.local()
         self._sparse: ZstdCodec | None = None
+        self._float: ZstdCodec | None = None
+        # ``literals``: frames without the match search (nvdcp.codecs.zstd_literals), where
+        # zstd's cffi backend is there; its settings are level 1's
+        self._literals: LiteralsCompressor | None = (
+            literals_compressor() if literals and level == DEFAULT_LEVEL else None
+        )
 
     def for_sparse_planes(self) -> ZstdCodec:
-        """This codec tuned for float sign+exponent planes (see ``SPARSE_PLANE_HASH_LOG``)."""
+        """This codec tuned for a delta's difference planes (see ``SPARSE_PLANE_HASH_LOG``): the
+        search stays, since their runs of zero bytes are matches worth 2-20x over Huffman-coded
+        literals alone (measured on XOR planes of stepped fp32 and bf16 weights, 2026-12-05)."""
         if self.hash_log is not None:
             return self
         if self._sparse is None:
             self._sparse = ZstdCodec(self.level, SPARSE_PLANE_HASH_LOG)
         return self._sparse
+
+    def for_float_planes(self) -> ZstdCodec:
+        """This codec tuned for float sign+exponent planes: frames without the match search
+        (nvdcp.codecs.zstd_literals), else the sparse-plane variant."""
+        if self.hash_log is not None:
+            return self
+        if self._float is None:
+            self._float = ZstdCodec(self.level, SPARSE_PLANE_HASH_LOG, literals=True)
+            if self._float._literals is None:
+                self._float = self.for_sparse_planes()
+        return self._float
 
     def _compressor(self) -> zstandard.ZstdCompressor:
         c = getattr(self._local, "c", None)
@@ -70,6 +90,8 @@ class ZstdCodec(Codec):
         return d
 
     def encode(self, chunk: Buffer) -> bytes:
+        if self._literals is not None:
+            return self._literals.compress(chunk)
         return self._compressor().compress(chunk)
 
     def encode_ranges(self, buf: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, threads: int = 1) -> Sequence[Buffer]:
@@ -78,6 +100,8 @@ class ZstdCodec(Codec):
         item's plane costs a few microseconds of Python per :meth:`encode` call otherwise."""
         if not len(offsets):
             return []
+        if self._literals is not None:
+            return self._literals.compress_ranges(buf, offsets, lengths, threads)
         segments = np.empty((len(offsets), 2), dtype="<u8")
         segments[:, 0] = offsets
         segments[:, 1] = lengths

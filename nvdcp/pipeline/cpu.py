@@ -179,9 +179,10 @@ def _encode_blocks(
 
 
 @functools.cache
-def plane_encoders(names: tuple[str, ...], n_planes: int, sparse: bool) -> list[Codec | None]:
-    """Each plane's CPU codec (None: stored raw); ``sparse``: the planes are float sign+exponent
-    bytes, which codecs may encode with tuned settings (:meth:`Codec.for_sparse_planes`)."""
+def plane_encoders(names: tuple[str, ...], n_planes: int, planes: str | None) -> list[Codec | None]:
+    """Each plane's CPU codec (None: stored raw). ``planes``: what the planes hold, for codecs
+    with settings tuned to it: ``"delta"`` a difference's planes (:meth:`Codec.for_sparse_planes`),
+    ``"float"`` a float's byte planes (:meth:`Codec.for_float_planes`), None anything else."""
     out: list[Codec | None] = []
     for p in range(n_planes):
         name = names[p % len(names)]
@@ -189,7 +190,11 @@ def plane_encoders(names: tuple[str, ...], n_planes: int, sparse: bool) -> list[
             out.append(None)
         else:
             codec = cpu_codec(name)
-            out.append(codec.for_sparse_planes() if sparse else codec)
+            if planes == "delta":
+                codec = codec.for_sparse_planes()
+            elif planes == "float":
+                codec = codec.for_float_planes()
+            out.append(codec)
     return out
 
 
@@ -207,6 +212,13 @@ def float_planes(kind: int, dtype_code: int, transform: int) -> bool:
         return is_float_like(code_dtype(dtype_code, ""))
     except CorruptCheckpointError:
         return False
+
+
+def _planes_hold(delta: bool, kind: int, dtype_code: int, layout: Layout) -> str | None:
+    """What an item's planes hold, for :func:`plane_encoders`."""
+    if delta:
+        return "delta"
+    return "float" if float_planes(kind, dtype_code, layout.transform) else None
 
 
 #: A delta plane is compressed only when its first block's chunk shrinks at least this much:
@@ -262,10 +274,7 @@ def encode_item(
         if base.size != raw.size or base_digest is None:
             raise ValueError(f"a delta needs a base of {raw.size} bytes and its digest, got {base.size} bytes")
         delta = (base, delta_kind, element_size, [])  # each group takes its own difference
-    # difference planes are mostly zero bytes and short runs, like float sign+exponent planes:
-    # the same tuned codec settings
-    sparse = base is not None or float_planes(kind, dtype_code, layout.transform)
-    codecs = plane_encoders(layout.plane_codecs, n_planes, sparse)
+    codecs = plane_encoders(layout.plane_codecs, n_planes, _planes_hold(base is not None, kind, dtype_code, layout))
     if base is not None:
         probe = min(raw.size, chunk_bytes * n_planes)
         first = delta_transform.encode_np(raw[:probe], base[:probe], delta_kind, element_size)

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from nvdcp._native import load_function
-from nvdcp.codecs.base import Codec
+from nvdcp.codecs.base import Codec, PackedStreams
 from nvdcp.format.crc import checksum_ranges
 from nvdcp.format.dtypes import code_dtype
 from nvdcp.format.header import (
@@ -228,13 +228,17 @@ def _compress(chunks: _Chunks, codecs: list[Codec | None], threads: int) -> None
         if codec is None or not len(which):
             continue
         streams = codec.encode_ranges(flat, chunks.src_off[which], chunks.raw_len[which], threads)
-        lengths = np.fromiter(map(len, streams), dtype=np.int64, count=len(which))
+        if isinstance(streams, PackedStreams):  # already one buffer
+            lengths, packed = streams.lengths, streams.data
+        else:
+            lengths = np.fromiter(map(len, streams), dtype=np.int64, count=len(which))
+            packed = np.frombuffer(b"".join(streams), dtype=np.uint8)
         pays = lengths < chunks.raw_len[which]
         kept = which[pays]
         chunks.stored[kept] = lengths[pays]
         chunks.src_of[kept] = len(chunks.sources)
         chunks.src_off[kept] = _exclusive_cumsum(lengths)[:-1][pays]
-        chunks.sources.append(np.frombuffer(b"".join(streams), dtype=np.uint8))
+        chunks.sources.append(packed)
 
 
 @dataclass(frozen=True)
@@ -303,9 +307,8 @@ def _encode_group_arrays(tensors: list[torch.Tensor], dtype_code: int, layout: L
     raw = np.fromiter((t.numel() * t.element_size() for t in tensors), dtype=np.int64, count=k)
     plane_bytes = raw // n_planes  # each item's bytes in every plane
     chunks = _chunk_plan(_planes(tensors, n_planes, plane_bytes), plane_bytes, cb)
-    # difference planes are mostly zero bytes and short runs, like float sign+exponent planes
-    sparse = deltas is not None or float_planes(KIND_TENSOR, dtype_code, layout.transform)
-    _compress(chunks, plane_encoders(layout.plane_codecs, n_planes, sparse), threads)
+    planes = "delta" if deltas is not None else "float" if float_planes(KIND_TENSOR, dtype_code, layout.transform) else None
+    _compress(chunks, plane_encoders(layout.plane_codecs, n_planes, planes), threads)
 
     # Record layout: header (its chunk table at ``table_at``), then the item's chunks.
     shapes = shapes if shapes is not None else [tuple(t.shape) for t in tensors]
@@ -357,7 +360,7 @@ def encode_delta_batch(
         n_planes = size if layout.transform == TRANSFORM_BYTEPLANES else 1
         diffs, changed = zip(*[delta_transform.delta_np(tensor_to_host_bytes(tensors[i]), bases[i], kind, size)
                                for i in members])
-        compressed = _probe(diffs, n_planes, plane_encoders(layout.plane_codecs, n_planes, True), threads)
+        compressed = _probe(diffs, n_planes, plane_encoders(layout.plane_codecs, n_planes, "delta"), threads)
         by_layout: dict[tuple[str, ...], list[int]] = {}
         for j, pays in enumerate(compressed):
             names = tuple(name if ok else "none" for name, ok in zip(layout.plane_codecs, pays))

@@ -176,3 +176,22 @@ def test_auto_decodes_small_cpu_codec_records_for_host_tensors_on_the_cpu(
     gpu_written = _zeros_like(_state(CUDA), torch.device("cpu"))
     dcp.load(gpu_written, storage_reader=nvdcp.NvcompReader(tmp_path / "gdeflate"))
     assert sum(batches) > 0
+
+
+def test_cpu_written_float_planes_decode_on_gpu(tmp_path: Path) -> None:
+    """The CPU path's frames for float sign+exponent planes (nvdcp.codecs.zstd_literals: no match
+    search, literals Huffman-coded) decode with nvCOMP's Zstd, small items and large ones."""
+    from nvdcp.codecs.zstd_literals import literals_compressor
+
+    assert literals_compressor() is not None, "zstandard's cffi backend: pip install zstandard[cffi]"
+    sd = {
+        "w32": weights_like((1024, 1000)),
+        "w16": weights_like((700, 1300), torch.bfloat16, seed=1),
+        "half": weights_like((3333,), torch.float16, seed=2),
+        **{f"small{i}": weights_like((64 * (i + 1),), seed=10 + i) for i in range(40)},
+    }
+    dcp.save(sd, storage_writer=nvdcp.NvcompWriter(tmp_path))  # host tensors: the CPU path writes
+    out = _zeros_like(sd, CUDA)
+    dcp.load(out, storage_reader=nvdcp.NvcompReader(tmp_path, gpu=GpuConfig(decode_device="cuda")))
+    for k in sd:
+        assert bit_equal(out[k].cpu(), sd[k]), k
