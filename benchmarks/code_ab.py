@@ -3,6 +3,7 @@
     git worktree add -f out/old <commit>    # then build its native extension in it
     python -m benchmarks.code_ab --tree old=out/old --tree new=. [--case small] [--rounds 3]
         [--repeats 3] [--device cuda] [--dir /dev/shm/code-ab]
+    python -m benchmarks.code_ab --tree off=.,NVDCP_ZSTD_LITERALS=0 --tree on=.   # a switch, one tree
 
 A change to nvdcp's per-item cost is a few percent of a load on a noisy machine: compared run
 against run, it is lost in the noise. Here each round runs every tree once, in turn, each in a
@@ -50,8 +51,11 @@ def child(case: str, device: str, path: str, repeats: int) -> dict[str, Any]:
     return {"nvdcp": nvdcp.__file__, "bit_exact": exact, "ops": ops}
 
 
-def _run_tree(tree: str, args: argparse.Namespace) -> dict[str, Any]:
+def _run_tree(spec: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One run of a tree: ``PATH[,VAR=VALUE...]`` (environment variables set for its process)."""
+    tree, *assignments = spec.split(",")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(tree), os.environ.get("PYTHONPATH", "")]))
+    env.update(a.split("=", 1) for a in assignments)
     cmd = [sys.executable, os.path.abspath(__file__), "--child", args.case, args.device,
            os.path.join(args.dir, "ckpt"), str(args.repeats)]
     out = subprocess.run(cmd, env=env, cwd=os.path.abspath(tree), check=True, capture_output=True, text=True)
@@ -60,7 +64,7 @@ def _run_tree(tree: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tree", action="append", required=True, help="NAME=PATH of a source tree (twice or more)")
+    ap.add_argument("--tree", action="append", required=True, help="NAME=PATH[,VAR=VALUE...]: a source tree, and environment variables for its runs (twice or more)")
     ap.add_argument("--case", default="small")
     ap.add_argument("--device", default="cpu", help="where the state's tensors live (cpu or cuda)")
     ap.add_argument("--rounds", type=int, default=3)
