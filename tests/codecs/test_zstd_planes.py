@@ -1,5 +1,6 @@
-"""zstd's variant for float sign+exponent planes: ordinary zstd frames (any decoder reads them),
-smaller and the same bitstream id; used only for float planes."""
+"""zstd's tuned variants (a delta's sparse planes; float sign+exponent planes, see also
+test_zstd_literals.py): ordinary zstd frames (any decoder reads them), smaller, the same
+bitstream id; used only for those planes."""
 
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ def test_codecs_without_a_variant_return_themselves() -> None:
     for name in ("none", "zstd"):
         codec = cpu_codec(name)
         assert type(codec.for_sparse_planes()) is type(codec)
+        assert type(codec.for_float_planes()) is type(codec)
+    none = cpu_codec("none")
+    assert none.for_float_planes() is none.for_sparse_planes() is none
 
 
 @pytest.mark.parametrize(
