@@ -37,7 +37,7 @@ from nvdcp.codecs.base import Buffer, PackedStreams
 ACCELERATION = 1024
 #: Hash table size (log2 entries) for what little search is left: the smallest zstd allows.
 HASH_LOG = 6
-#: Longest match zstd may require: the fewest, longest matches.
+#: Shortest match zstd may take, at its largest setting: only long repeats are worth a sequence.
 MIN_MATCH = 7
 
 _FUNCTIONS = ("ZSTD_createCCtx", "ZSTD_freeCCtx", "ZSTD_CCtx_setParameter", "ZSTD_compress2", "ZSTD_isError")
@@ -102,9 +102,17 @@ class LiteralsCompressor:
         return ffi.buffer(out, n)[:]
 
     def compress_ranges(self, buf: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, threads: int) -> PackedStreams:
-        """One frame per range of ``buf`` (uint8, contiguous), packed back to back."""
+        """One frame per range of ``buf`` (uint8, contiguous), packed back to back.
+
+        Raises:
+            ValueError: ``buf`` is not contiguous, or a range lies outside it.
+        """
         lengths = np.ascontiguousarray(lengths, dtype=np.int64)
         offsets = np.ascontiguousarray(offsets, dtype=np.int64)
+        if not buf.flags.c_contiguous or buf.dtype != np.uint8:
+            raise ValueError("zstd ranges need a contiguous uint8 buffer")
+        if len(lengths) and ((offsets < 0).any() or (lengths < 0).any() or (offsets + lengths > buf.size).any()):
+            raise ValueError(f"a zstd range lies outside its {buf.size}-byte buffer")
         if self._batch is None:
             frames = [self.compress(buf[o : o + n].data) for o, n in zip(offsets.tolist(), lengths.tolist())]
             data = np.frombuffer(b"".join(frames), dtype=np.uint8)

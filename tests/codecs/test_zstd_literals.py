@@ -101,3 +101,12 @@ def test_float_items_are_stored_with_it_and_deltas_without_it() -> None:
     sparse = np.zeros(1 << 16, dtype=np.uint8)
     sparse[::97] = 1  # a difference plane: few changed bytes
     assert len(delta_codec.encode(sparse.data)) * 2 < len(float_codec.encode(sparse.data))
+
+
+def test_ranges_outside_the_buffer_are_refused() -> None:
+    assert compressor is not None
+    buf = np.zeros(1000, dtype=np.uint8)
+    with pytest.raises(ValueError, match="outside"):
+        compressor.compress_ranges(buf, np.array([0, 900]), np.array([100, 101]), threads=1)
+    with pytest.raises(ValueError, match="contiguous"):
+        compressor.compress_ranges(buf[::2], np.array([0]), np.array([10]), threads=1)
