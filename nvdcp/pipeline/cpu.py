@@ -214,7 +214,7 @@ def float_planes(kind: int, dtype_code: int, transform: int) -> bool:
         return False
 
 
-def _planes_hold(delta: bool, kind: int, dtype_code: int, layout: Layout) -> str | None:
+def planes_hold(delta: bool, kind: int, dtype_code: int, layout: Layout) -> str | None:
     """What an item's planes hold, for :func:`plane_encoders`."""
     if delta:
         return "delta"
@@ -274,7 +274,7 @@ def encode_item(
         if base.size != raw.size or base_digest is None:
             raise ValueError(f"a delta needs a base of {raw.size} bytes and its digest, got {base.size} bytes")
         delta = (base, delta_kind, element_size, [])  # each group takes its own difference
-    codecs = plane_encoders(layout.plane_codecs, n_planes, _planes_hold(base is not None, kind, dtype_code, layout))
+    codecs = plane_encoders(layout.plane_codecs, n_planes, planes_hold(base is not None, kind, dtype_code, layout))
     if base is not None:
         probe = min(raw.size, chunk_bytes * n_planes)
         first = delta_transform.encode_np(raw[:probe], base[:probe], delta_kind, element_size)

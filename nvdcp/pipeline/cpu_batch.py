@@ -60,11 +60,11 @@ from nvdcp.format.header_batch import (
 from nvdcp.pipeline.cpu import (
     PROBE_MIN_GAIN,
     EncodedItem,
-    float_planes,
     layout_codec_ids,
     merge_planes,
     plane_cpu_codecs,
     plane_encoders,
+    planes_hold,
     split_planes,
 )
 from nvdcp.pipeline.policy import Layout
@@ -307,8 +307,8 @@ def _encode_group_arrays(tensors: list[torch.Tensor], dtype_code: int, layout: L
     raw = np.fromiter((t.numel() * t.element_size() for t in tensors), dtype=np.int64, count=k)
     plane_bytes = raw // n_planes  # each item's bytes in every plane
     chunks = _chunk_plan(_planes(tensors, n_planes, plane_bytes), plane_bytes, cb)
-    planes = "delta" if deltas is not None else "float" if float_planes(KIND_TENSOR, dtype_code, layout.transform) else None
-    _compress(chunks, plane_encoders(layout.plane_codecs, n_planes, planes), threads)
+    holds = planes_hold(deltas is not None, KIND_TENSOR, dtype_code, layout)
+    _compress(chunks, plane_encoders(layout.plane_codecs, n_planes, holds), threads)
 
     # Record layout: header (its chunk table at ``table_at``), then the item's chunks.
     shapes = shapes if shapes is not None else [tuple(t.shape) for t in tensors]
