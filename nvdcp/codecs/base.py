@@ -72,6 +72,18 @@ class PackedStreams(Sequence[memoryview]):
             start += n
 
 
+#: Bytes of work below which a batch call runs on the calling thread alone: starting a thread
+#: (and, in zstd's batch API, a context for it) costs 0.1-0.2 ms, about what 1 MiB takes to
+#: compress. A delta save's plane probes (4 KiB samples) ran 5x slower on two threads than on
+#: one (CPU machine, 2026-12-06), as the CRC32C batch found before (``_crc32c_batch.cpp``).
+THREAD_MIN_BYTES = 1 << 20
+
+
+def useful_threads(threads: int, nbytes: int) -> int:
+    """How many of ``threads`` a batch of ``nbytes`` is worth: one per ``THREAD_MIN_BYTES``, at least one."""
+    return max(1, min(threads, nbytes // THREAD_MIN_BYTES))
+
+
 class Codec(ABC):
     """One compression algorithm with a stable id and bitstream.
 

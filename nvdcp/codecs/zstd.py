@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import zstandard
 
-from nvdcp.codecs.base import Buffer, Codec, DecodedStreams
+from nvdcp.codecs.base import Buffer, Codec, DecodedStreams, useful_threads
 from nvdcp.codecs.zstd_literals import LiteralsCompressor, literals_compressor
 
 #: Level 1 with its large-input parameters (min_match 7, fast strategy). On the sign+exponent
@@ -100,13 +100,14 @@ class ZstdCodec(Codec):
         item's plane costs a few microseconds of Python per :meth:`encode` call otherwise."""
         if not len(offsets):
             return []
+        threads = useful_threads(threads, int(lengths.sum()))
         if self._literals is not None:
             return self._literals.compress_ranges(buf, offsets, lengths, threads)
         segments = np.empty((len(offsets), 2), dtype="<u8")
         segments[:, 0] = offsets
         segments[:, 1] = lengths
         batch = zstandard.BufferWithSegments(buf.data, segments.tobytes())
-        return self._compressor().multi_compress_to_buffer(batch, threads=max(1, threads))  # type: ignore[return-value]
+        return self._compressor().multi_compress_to_buffer(batch, threads=threads)  # type: ignore[return-value]
 
     def decode_ranges(self, buf: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, raw_lengths: np.ndarray,
                       threads: int = 1) -> DecodedStreams:
@@ -121,8 +122,9 @@ class ZstdCodec(Codec):
         segments[:, 0] = offsets
         segments[:, 1] = lengths
         frames = zstandard.BufferWithSegments(buf.data, segments.tobytes())
+        threads = useful_threads(threads, int(raw_lengths.sum()))
         try:
-            decoded: Any = self._decompressor().multi_decompress_to_buffer(frames, threads=max(1, threads))
+            decoded: Any = self._decompressor().multi_decompress_to_buffer(frames, threads=threads)
         except zstandard.ZstdError as exc:
             raise ValueError(f"zstd frame does not decode: {exc}") from exc
         n = len(offsets)

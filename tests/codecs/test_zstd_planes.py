@@ -10,6 +10,7 @@ import torch
 import zstandard
 
 from nvdcp.codecs import cpu_codec
+from nvdcp.codecs.base import THREAD_MIN_BYTES, useful_threads
 from nvdcp.codecs.zstd import SPARSE_PLANE_HASH_LOG, ZstdCodec
 from nvdcp.format.dtypes import dtype_code
 from nvdcp.format.header import KIND_BYTES, KIND_TENSOR, TRANSFORM_BYTEPLANES, TRANSFORM_NONE
@@ -71,7 +72,8 @@ def test_decode_ranges_finds_every_frame_where_zstd_left_it(threads: int) -> Non
     every stream there equals that frame decoded alone, and a size mismatch is refused."""
     rng = np.random.default_rng(threads)
     codec = ZstdCodec()
-    raws = [rng.integers(0, 4 + 60 * (i % 3), 1000 + 997 * i, dtype=np.uint8) for i in range(40)]
+    # 3.9 MB in all: enough for three threads (useful_threads)
+    raws = [rng.integers(0, 4 + 60 * (i % 3), 1000 + 4999 * i, dtype=np.uint8) for i in range(40)]
     frames = [codec.encode(r.data) for r in raws]
     buf = np.frombuffer(b"".join(frames), dtype=np.uint8)
     lengths = np.array([len(f) for f in frames], dtype=np.int64)
@@ -82,3 +84,11 @@ def test_decode_ranges_finds_every_frame_where_zstd_left_it(threads: int) -> Non
         assert np.array_equal(decoded.stream(i, raw.size), raw), i
     with pytest.raises(ValueError):
         codec.decode_ranges(buf, offsets, lengths, raw_lengths + np.eye(40, dtype=np.int64)[7], threads=threads)
+
+
+def test_a_batch_gets_one_thread_per_mib_of_work() -> None:
+    assert useful_threads(2, 80 * 4096) == 1  # a delta's plane probes: no thread started
+    assert useful_threads(4, 3 * THREAD_MIN_BYTES + 5) == 3
+    assert useful_threads(2, 100 * THREAD_MIN_BYTES) == 2
+    assert useful_threads(0, 100 * THREAD_MIN_BYTES) == 1
+    assert useful_threads(8, 0) == 1
