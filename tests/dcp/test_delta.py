@@ -792,14 +792,18 @@ def test_a_gpu_budget_alone_keeps_no_host_encoded_item() -> None:
     assert not BaseCache(0).enabled
 
 
+@pytest.mark.parametrize("level_buffer_bytes", [0, 64 << 20])
 def test_host_loads_rebuild_deltas_in_groups_of_items_with_chains_of_different_depths(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, level_buffer_bytes: int,
 ) -> None:
     """Groups of 3 items: most items are deltas two levels deep, one was stored whole in the
-    middle save (fresh values), one only exists from the middle save on (a delta one level deep)."""
+    middle save (fresh values), one only exists from the middle save on (a delta one level deep).
+    Each level read into fresh memory, or into the thread's reused buffer for its checkpoint
+    (the groups after a thread's first reuse them)."""
     from nvdcp.dcp import reader as reader_mod
 
     monkeypatch.setattr(reader_mod, "DELTA_GROUP_ITEMS", 3)
+    monkeypatch.setattr(reader_mod, "LEVEL_BUFFER_BYTES", level_buffer_bytes)
     policy = nvdcp.DeltaPolicy(full_every=8)
     sd: dict[str, Any] = {f"w{i}": weights_like((64, 50), seed=i) for i in range(8)}
     save(sd, tmp_path / "s0", delta=policy)
