@@ -69,7 +69,7 @@ from nvdcp.pipeline.cpu import (
 )
 from nvdcp.pipeline.policy import Layout
 from nvdcp.pipeline.record_batch import RecordBatch
-from nvdcp.pipeline.tensors import tensor_to_host_bytes
+from nvdcp.pipeline.tensors import has_lazy_bits, tensor_to_host_bytes
 from nvdcp.transform import delta as delta_transform
 
 _FORMAT_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "format")
@@ -171,7 +171,7 @@ def _planes(tensors: list[torch.Tensor], n_planes: int, plane_bytes: np.ndarray)
     from each tensor's memory by one native call; without the library, joined and then split."""
     with torch.no_grad():
         flats = [t if t.is_contiguous() else t.contiguous() for t in tensors]
-        if any(t.is_conj() or t.is_neg() for t in flats):
+        if any(map(has_lazy_bits, flats)):
             flats = [t.resolve_conj().resolve_neg() for t in flats]
     n_total = int(plane_bytes.sum())
     planes = np.empty((n_planes, n_total), dtype=np.uint8)

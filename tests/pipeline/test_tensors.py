@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from nvdcp.pipeline.tensors import flat_bytes, plain, tensor_nbytes, tensor_to_host_bytes
+from nvdcp.pipeline import tensors as tensors_mod
+from nvdcp.pipeline.tensors import flat_bytes, has_lazy_bits, plain, tensor_nbytes, tensor_to_host_bytes
 from tests.conftest import random_tensor
 
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
@@ -196,3 +197,25 @@ def test_tensor_nbytes(shape: tuple[int, ...], dtype: torch.dtype, expected: int
     assert tensor_nbytes(shape, dtype) == expected
     if expected < 1 << 20:
         assert torch.empty(tuple(shape), dtype=dtype).nbytes == expected
+
+
+def _lazy_cases() -> list[torch.Tensor]:
+    z = torch.randn(6, dtype=torch.complex64)
+    r = torch.randn(6)
+    return [
+        r, z, z.conj(), z.conj().imag, z.conj().imag.detach(), torch._neg_view(r), torch._neg_view(r).detach(),
+        z.conj().clone(), z.conj().resolve_conj(), r.requires_grad_(False)[1:], torch.randn(2, 3).t(),
+        torch.empty(0), torch.tensor(1.5),
+    ]
+
+
+@pytest.mark.parametrize("from_keys", [True, False])
+def test_has_lazy_bits_says_what_is_conj_or_is_neg_says(monkeypatch: pytest.MonkeyPatch, from_keys: bool) -> None:
+    """Read from the dispatch keys, or (a torch without them) asked of the tensor: the same answer."""
+    if from_keys:
+        assert tensors_mod._LAZY_BITS is not None  # this torch has them
+    else:
+        monkeypatch.setattr(tensors_mod, "_LAZY_BITS", None)
+    answers = [has_lazy_bits(t) for t in _lazy_cases()]
+    assert answers == [bool(t.is_conj() or t.is_neg()) for t in _lazy_cases()]
+    assert answers.count(True) == 5  # the conj view, the neg views (a detached one too)
