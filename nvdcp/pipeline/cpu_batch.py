@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from nvdcp._native import load_function
-from nvdcp.codecs.base import Codec, PackedStreams
+from nvdcp.codecs import codec_id
+from nvdcp.codecs.base import Buffer, Codec, PackedStreams
 from nvdcp.format.crc import checksum_ranges
 from nvdcp.format.dtypes import code_dtype
 from nvdcp.format.header import (
@@ -199,6 +200,20 @@ class _Chunks:
     sources: list[np.ndarray]
     src_of: np.ndarray
     src_off: np.ndarray
+    first: np.ndarray  # bool: a chunk of its item's first block
+
+    def keep(self, which: np.ndarray, streams: PackedStreams, only: np.ndarray | None = None) -> None:
+        """Chunks ``which`` compressed to ``streams``: each stream kept where it is smaller
+        than its raw chunk (as :func:`~nvdcp.pipeline.cpu.encode_item` does), and ``only[i]``."""
+        lengths, packed = streams.lengths, streams.data
+        pays = lengths < self.raw_len[which]
+        if only is not None:
+            pays &= only
+        kept = which[pays]
+        self.stored[kept] = lengths[pays]
+        self.src_of[kept] = len(self.sources)
+        self.src_off[kept] = _exclusive_cumsum(lengths)[:-1][pays]
+        self.sources.append(packed)
 
 
 def _chunk_plan(planes: np.ndarray, plane_bytes: np.ndarray, cb: int) -> _Chunks:
@@ -215,30 +230,47 @@ def _chunk_plan(planes: np.ndarray, plane_bytes: np.ndarray, cb: int) -> _Chunks
     return _Chunks(
         item=np.repeat(block_item, n_planes), plane=plane, raw_len=raw_len, stored=raw_len.copy(),
         sources=[planes.reshape(-1)], src_of=np.zeros(len(raw_len), dtype=np.int64),
-        src_off=plane * n_total + np.repeat(block_start, n_planes),
+        src_off=plane * n_total + np.repeat(block_start, n_planes), first=np.repeat(block_index == 0, n_planes),
     )
 
 
-def _compress(chunks: _Chunks, codecs: list[Codec | None], threads: int) -> None:
+def _compress(chunks: _Chunks, codecs: list[Codec | None], threads: int, n_items: int,
+              probe: bool = False) -> np.ndarray:
     """Compress each plane's chunks with its codec in one call; a stream is kept where it is
-    smaller than the raw chunk (as :func:`~nvdcp.pipeline.cpu.encode_item` does)."""
+    smaller than the raw chunk (as :func:`~nvdcp.pipeline.cpu.encode_item` does). With
+    ``probe``, as that function does for a delta, an item's plane is compressed only where its
+    first chunk shrinks by at least ``PROBE_MIN_GAIN`` (the first chunks of all items in one
+    call, then the rest of the planes that pass): a difference's low mantissa bytes are
+    near-random, and trying all their chunks cost as much codec time as the rest of the item.
+    Returns which item planes were compressed: ``(n_items, len(codecs))`` bool."""
+    compressed = np.zeros((n_items, len(codecs)), dtype=bool)
+    empty = np.bincount(chunks.item, minlength=n_items) == 0  # nothing to probe: the layout stands
     flat = chunks.sources[0]
     for p, codec in enumerate(codecs):
         which = np.flatnonzero(chunks.plane == p)
-        if codec is None or not len(which):
+        if codec is None:
             continue
-        streams = codec.encode_ranges(flat, chunks.src_off[which], chunks.raw_len[which], threads)
-        if isinstance(streams, PackedStreams):  # already one buffer
-            lengths, packed = streams.lengths, streams.data
+        compressed[empty, p] = True
+        if probe:
+            head = which[chunks.first[which]]
+            streams = _packed(codec.encode_ranges(flat, chunks.src_off[head], chunks.raw_len[head], threads))
+            passed = streams.lengths <= chunks.raw_len[head] * (1 - PROBE_MIN_GAIN)
+            chunks.keep(head, streams, only=passed)
+            compressed[chunks.item[head[passed]], p] = True
+            which = which[~chunks.first[which] & compressed[chunks.item[which], p]]
         else:
-            lengths = np.fromiter(map(len, streams), dtype=np.int64, count=len(which))
-            packed = np.frombuffer(b"".join(streams), dtype=np.uint8)
-        pays = lengths < chunks.raw_len[which]
-        kept = which[pays]
-        chunks.stored[kept] = lengths[pays]
-        chunks.src_of[kept] = len(chunks.sources)
-        chunks.src_off[kept] = _exclusive_cumsum(lengths)[:-1][pays]
-        chunks.sources.append(packed)
+            compressed[:, p] = True
+        if len(which):
+            chunks.keep(which, _packed(codec.encode_ranges(flat, chunks.src_off[which], chunks.raw_len[which], threads)))
+    return compressed
+
+
+def _packed(streams: Sequence[Buffer] | PackedStreams) -> PackedStreams:
+    """A codec's streams as one buffer and their lengths (as they come from a batch encoder)."""
+    if isinstance(streams, PackedStreams):
+        return streams
+    lengths = np.fromiter(map(len, streams), dtype=np.int64, count=len(streams))
+    return PackedStreams(np.frombuffer(b"".join(streams), dtype=np.uint8), lengths)
 
 
 @dataclass(frozen=True)
@@ -308,7 +340,8 @@ def _encode_group_arrays(tensors: list[torch.Tensor], dtype_code: int, layout: L
     plane_bytes = raw // n_planes  # each item's bytes in every plane
     chunks = _chunk_plan(_planes(tensors, n_planes, plane_bytes), plane_bytes, cb)
     holds = planes_hold(deltas is not None, KIND_TENSOR, dtype_code, layout)
-    _compress(chunks, plane_encoders(layout.plane_codecs, n_planes, holds), threads)
+    compressed = _compress(chunks, plane_encoders(layout.plane_codecs, n_planes, holds), threads, k,
+                           probe=deltas is not None)
 
     # Record layout: header (its chunk table at ``table_at``), then the item's chunks.
     shapes = shapes if shapes is not None else [tuple(t.shape) for t in tensors]
@@ -317,8 +350,10 @@ def _encode_group_arrays(tensors: list[torch.Tensor], dtype_code: int, layout: L
         fields = [HeaderFields(KIND_TENSOR, dtype_code, layout.transform, ids, shape, cb, nbytes)
                   for shape, nbytes in zip(shapes, raw_list)]
     else:
-        fields = [HeaderFields(KIND_TENSOR, dtype_code, layout.transform, ids, shape, cb, nbytes, digest, deltas.kind)
-                  for shape, nbytes, digest in zip(shapes, raw_list, deltas.digests)]
+        # a plane not compressed is recorded as stored raw ("none"), as encode_item's probe does
+        item_ids = _item_codec_ids(ids, compressed)
+        fields = [HeaderFields(KIND_TENSOR, dtype_code, layout.transform, i_ids, shape, cb, nbytes, digest, deltas.kind)
+                  for i_ids, shape, nbytes, digest in zip(item_ids, shapes, raw_list, deltas.digests)]
     n_chunks = np.bincount(chunks.item, minlength=k)
     table_at, header_bytes = header_layout(fields, n_chunks)
     stored_cum = _exclusive_cumsum(chunks.stored)
@@ -336,70 +371,42 @@ def _encode_group_arrays(tensors: list[torch.Tensor], dtype_code: int, layout: L
     return _Group(out, fields, start, record_off[1:], header_bytes, chunk_dst, table, first_chunk, header_crcs, deltas)
 
 
+def _item_codec_ids(ids: tuple[int, ...], compressed: np.ndarray) -> list[tuple[int, ...]]:
+    """Each item's plane codec ids: ``ids``, with ``none`` where its plane was not compressed
+    (``compressed``: items x planes); one tuple per distinct row."""
+    none = codec_id("none")
+    rows, inverse = np.unique(compressed, axis=0, return_inverse=True)
+    distinct = [tuple(c if on else none for c, on in zip(ids, row)) for row in rows.tolist()]
+    return [distinct[i] for i in inverse.reshape(-1).tolist()]
+
+
 def encode_delta_batch(
     tensors: Sequence[torch.Tensor], bases: Sequence[np.ndarray], base_digests: Sequence[int],
     dtype_codes: Sequence[int], layout_of: Callable[[torch.dtype], Layout | None], chunk_bytes: int, threads: int = 1,
 ) -> list[EncodedItem]:
     """Delta records of host tensors against their bases (``bases[i]``: the base item's raw
     bytes, tensor ``i``'s size; ``base_digests[i]``: its record digest), in order: each item's
-    difference taken (:func:`~nvdcp.transform.delta.encode_np`), then encoded together with the
-    items of its dtype whose planes compress alike, as :func:`encode_tensor_batch` does.
-    ``layout_of(dtype)``: the delta layout (:func:`~nvdcp.pipeline.policy.choose_delta_layout`).
-    As :func:`~nvdcp.pipeline.cpu.encode_item` does, a plane whose sample does not shrink is
-    stored raw without trying its chunks (a float difference's low mantissa bytes: trying them
-    took most of the codec time); the sample is each plane's first ``PROBE_BYTES`` here, its
-    first chunk there. Whether a delta pays is the caller's to decide."""
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_dtype.setdefault(t.dtype, []).append(i)
+    difference taken (:func:`~nvdcp.transform.delta.encode_np`), then the items of a dtype
+    encoded together, as :func:`encode_tensor_batch` does; a plane whose first chunk does not
+    shrink is stored raw without trying its other chunks, as in
+    :func:`~nvdcp.pipeline.cpu.encode_item`, whose records these are byte for byte.
+    ``layout_of(dtype)``: the delta layout (:func:`~nvdcp.pipeline.policy.choose_delta_layout`),
+    one codec per plane. Whether a delta pays is the caller's to decide."""
     out: list[EncodedItem | None] = [None] * len(tensors)
-    for dtype, members in by_dtype.items():
+    for members, dtype in _by_dtype(tensors):
         layout = layout_of(dtype)
         assert layout is not None, f"no delta layout for {dtype}"
         kind, size = delta_transform.kind_for(dtype), torch.empty((), dtype=dtype).element_size()
         n_planes = size if layout.transform == TRANSFORM_BYTEPLANES else 1
+        assert len(layout.plane_codecs) == n_planes, f"delta layout {layout} for {n_planes} planes"
         diffs, changed = zip(*[delta_transform.delta_np(tensor_to_host_bytes(tensors[i]), bases[i], kind, size)
                                for i in members])
-        compressed = _probe(diffs, n_planes, plane_encoders(layout.plane_codecs, n_planes, "delta"), threads)
-        by_layout: dict[tuple[str, ...], list[int]] = {}
-        for j, pays in enumerate(compressed):
-            names = tuple(name if ok else "none" for name, ok in zip(layout.plane_codecs, pays))
-            by_layout.setdefault(names, []).append(j)
-        for names, js in by_layout.items():
-            items = [members[j] for j in js]
-            deltas = _Deltas([base_digests[i] for i in items], kind, [not changed[j] for j in js])
-            records = _encode_group([torch.from_numpy(diffs[j]) for j in js], dtype_codes[items[0]],
-                                    Layout(layout.transform, names), chunk_bytes, threads, deltas,
-                                    [tuple(tensors[i].shape) for i in items])
-            for i, record in zip(items, records):
-                out[i] = record
+        deltas = _Deltas([base_digests[i] for i in members], kind, [not c for c in changed])
+        records = _encode_group([torch.from_numpy(d) for d in diffs], dtype_codes[members[0]], layout, chunk_bytes,
+                                threads, deltas, [tuple(tensors[i].shape) for i in members])
+        for i, record in zip(members, records):
+            out[i] = record
     return out  # type: ignore[return-value]
-
-
-#: Bytes of each plane of a delta :func:`encode_delta_batch` compresses to decide whether the
-#: plane is worth compressing (at least ``PROBE_MIN_GAIN`` smaller, as the one-by-one encoder).
-PROBE_BYTES = 4096
-
-
-def _probe(diffs: list[np.ndarray], n_planes: int, codecs: list[Codec | None], threads: int) -> list[tuple[bool, ...]]:
-    """Per item, per plane: whether the plane's first ``PROBE_BYTES`` shrink by ``PROBE_MIN_GAIN``
-    under its codec (False for planes without one), each plane's samples compressed in one call."""
-    firsts = [min(d.size // n_planes, PROBE_BYTES) for d in diffs]
-    samples = np.zeros((n_planes, sum(firsts)), dtype=np.uint8)
-    at = 0
-    for d, m in zip(diffs, firsts):
-        samples[:, at : at + m] = split_planes(np.ascontiguousarray(d[: m * n_planes]), n_planes)
-        at += m
-    lengths = np.asarray(firsts, dtype=np.int64)
-    offsets = _exclusive_cumsum(lengths)[:-1]
-    pays = np.zeros((len(diffs), n_planes), dtype=bool)
-    for p, codec in enumerate(codecs):
-        if codec is None:
-            continue
-        streams = codec.encode_ranges(samples[p], offsets, lengths, threads)
-        stored = np.fromiter(map(len, streams), dtype=np.int64, count=len(diffs))
-        pays[:, p] = stored <= lengths * (1 - PROBE_MIN_GAIN)
-    return [tuple(row) for row in pays.tolist()]
 
 
 # -- loading: a batch of records parsed, checked and decoded in arrays ---------------------------
