@@ -589,6 +589,42 @@ extern "C" int nvdcp_merge_apply_many(const int64_t* planes, const int64_t* ns, 
   return 0;
 }
 
+// The delta of `count` arrays against their bases (as nvdcp_delta_encode), split straight into one
+// set of planes (as nvdcp_split_planes_many), each array copied to keeps[i] as it goes (0: none):
+// one pass over each array instead of a difference into fresh memory, a split of it and a copy
+// of the array kept for the next save (nvdcp/transform/delta.py: delta_split). Array i: ns[i]
+// elements of e bytes (e planes; e = 1 for a single plane) at address srcs[i], its base at bases[i];
+// its planes land at dst + offsets[i] (plane p at dst + p * stride). The delta's elements are w
+// bytes wide (XOR: 1); each array's ns[i] * e bytes must be a multiple of w. A kept array may be
+// its own base (the base's bytes of each tile are read before the tile is kept) and nothing
+// else's. changed[i] gets 1 where the delta is not all zero. Returns 0, or -1 for an unknown
+// kind or width (nothing written then).
+extern "C" int nvdcp_delta_split_many(const int64_t* srcs, const int64_t* bases, const int64_t* keeps,
+                                      const int64_t* ns, int64_t count, int e, int kind, int w, uint8_t* dst,
+                                      const int64_t* offsets, int64_t stride, uint8_t* changed) noexcept {
+  if (e <= 0 || e > 16 || (kind != 0 && kind != 1) || (kind == 1 && w != 2 && w != 4 && w != 8)) return -1;
+  constexpr size_t kTile = 4096;  // elements per round: the tile's difference stays in L1
+  alignas(16) uint8_t tile[kTile * 16];
+  const size_t ue = static_cast<size_t>(e);
+  for (int64_t i = 0; i < count; ++i) {
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(srcs[i]);
+    const uint8_t* base = reinterpret_cast<const uint8_t*>(bases[i]);
+    uint8_t* keep = reinterpret_cast<uint8_t*>(keeps[i]);
+    const size_t n = static_cast<size_t>(ns[i]);
+    bool seen = false;
+    for (size_t lo = 0; lo < n; lo += kTile) {
+      const size_t m = n - lo < kTile ? n - lo : kTile;
+      const size_t at = lo * ue, bytes = m * ue;
+      const int64_t elements = static_cast<int64_t>(kind == 0 ? bytes : bytes / static_cast<size_t>(w));
+      seen |= nvdcp_delta_encode(src + at, base + at, elements, kind == 0 ? 1 : w, kind, tile) > 0;
+      if (keep != nullptr) std::memcpy(keep + at, src + at, bytes);
+      nvdcp_split_planes(tile, static_cast<int64_t>(m), e, dst + offsets[i] + lo, stride);
+    }
+    changed[i] = seen ? 1 : 0;
+  }
+  return 0;
+}
+
 // The memo-index scan of a pickle (nvdcp/dcp/metadata_io.py: check_memo_indices), its common
 // opcodes: from opcode position i, step over every opcode that the scan only steps over and
 // that lies whole inside the n bytes (skip[op] >= 0: that many argument bytes; -1/-4/-8: a count

@@ -136,27 +136,45 @@ def block_chunks(planes: np.ndarray, chunk_bytes: int) -> list[memoryview]:
     return [views[p][b : b + chunk_bytes] for b in range(0, n, chunk_bytes) for p in range(n_planes)]
 
 
+@dataclass
+class _Delta:
+    """An item's base for a delta record (see :func:`encode_item`): each group of blocks takes
+    its own difference, keeps its raw bytes in ``keep`` (None: not kept) and appends to
+    ``changed`` where the difference is not all zero."""
+
+    base: np.ndarray
+    kind: int
+    element_size: int
+    keep: np.ndarray | None
+    changed: list[bool]
+
+
 def _encode_blocks(
     raw: np.ndarray, n_planes: int, codecs: list[Codec | None], chunk_bytes: int, planes_buf: np.ndarray | None,
-    delta: tuple[np.ndarray, int, int, list[bool]] | None, blocks: range,
+    delta: _Delta | None, blocks: range,
 ) -> list[tuple[bytes | memoryview, int]]:
     """Stored chunks and CRC32Cs of ``blocks``: the group's elements split into their planes here
     (one pass per group: cache-friendly, and on the pool's threads, not one whole-item pass
     before compression), into the group's own part of ``planes_buf`` (the item's plane buffer,
     ``raw.size`` bytes). ``codecs[p]``: plane ``p``'s codec, None to store it raw.
-    ``delta``: ``(base, kind, element_size, changed)``: the group's difference from ``base`` is
-    encoded instead of ``raw`` (taken here, per group: cache-sized passes on the pool's threads),
-    and ``changed`` gets True when it is not all zero."""
+    ``delta``: the group's difference from its base is encoded instead of ``raw`` (taken in the
+    same pass as the split, per group: cache-sized passes on the pool's threads), the group's
+    raw bytes kept for the next save as it goes, and ``changed`` gets True when the difference
+    is not all zero."""
     plane_nbytes = raw.size // n_planes
     lo = blocks.start * chunk_bytes
     hi = min(blocks.stop * chunk_bytes, plane_nbytes)
     src = raw[lo * n_planes : hi * n_planes]
     if delta is not None:
-        base, kind, element_size, changed = delta
-        src, nonzero = delta_transform.delta_np(src, base[lo * n_planes : hi * n_planes], kind, element_size)
-        if nonzero:
-            changed.append(True)
-    if n_planes == 1 or planes_buf is None:
+        span = slice(lo * n_planes, hi * n_planes)
+        into = (np.empty((1, src.size), dtype=np.uint8) if planes_buf is None
+                else planes_buf[span].reshape(n_planes, hi - lo))
+        keep = None if delta.keep is None else delta.keep[span]
+        if delta_transform.delta_split([src], [delta.base[span]], [keep], delta.kind, delta.element_size, into,
+                                       np.zeros(1, dtype=np.int64))[0]:
+            delta.changed.append(True)
+        views = [plane.data for plane in into]
+    elif n_planes == 1 or planes_buf is None:
         views = [src.data]
     else:
         planes = planes_buf[lo * n_planes : hi * n_planes].reshape(n_planes, hi - lo)
@@ -257,6 +275,7 @@ def encode_item(
     base: np.ndarray | None = None,
     base_digest: int | None = None,
     delta_kind: int = 0,
+    keep: np.ndarray | None = None,
 ) -> EncodedItem:
     """Encode one item's raw bytes (a flat uint8 array) with ``layout``; groups of about
     ``_GROUP_BYTES`` go to ``pool`` when there are several.
@@ -264,16 +283,19 @@ def encode_item(
     ``base`` (the same item's raw bytes in the base checkpoint, ``raw.size`` bytes) makes a delta
     record: their delta of ``delta_kind`` (:mod:`nvdcp.transform.delta`) is stored, and
     ``base_digest`` (the base item's record digest) goes into its header (docs/FORMAT.md, "Delta
-    checkpoints")."""
+    checkpoints"). ``keep`` (with ``base``; ``raw.size`` bytes, may be ``base`` itself) receives
+    ``raw`` as the difference is taken, for the next save's base."""
     for name in layout.plane_codecs:
         if name in GPU_ONLY:
             raise CodecUnavailableError(f"codec {name!r} can only encode on a GPU")
     n_planes = element_size if layout.transform == TRANSFORM_BYTEPLANES else 1
-    delta: tuple[np.ndarray, int, int, list[bool]] | None = None
+    delta: _Delta | None = None
     if base is not None:
         if base.size != raw.size or base_digest is None:
             raise ValueError(f"a delta needs a base of {raw.size} bytes and its digest, got {base.size} bytes")
-        delta = (base, delta_kind, element_size, [])  # each group takes its own difference
+        if keep is not None and keep.size != raw.size:
+            raise ValueError(f"bytes kept for the next save need {raw.size} bytes, got {keep.size}")
+        delta = _Delta(base, delta_kind, element_size, keep, [])  # each group takes its own difference
     codecs = plane_encoders(layout.plane_codecs, n_planes, planes_hold(base is not None, kind, dtype_code, layout))
     if base is not None:
         probe = min(raw.size, chunk_bytes * n_planes)
@@ -305,7 +327,7 @@ def encode_item(
         base_digest=base_digest if base is not None else None,
         delta_kind=delta_kind if base is not None else 0,
     )
-    unchanged = delta is not None and not delta[3]
+    unchanged = delta is not None and not delta.changed
     return EncodedItem(header, header.pack(), [s for s, _ in stored], unchanged)
 
 

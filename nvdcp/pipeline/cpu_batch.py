@@ -31,7 +31,6 @@ from nvdcp._native import load_function
 from nvdcp.codecs import codec_id
 from nvdcp.codecs.base import Buffer, Codec, PackedStreams
 from nvdcp.format.crc import checksum_ranges
-from nvdcp.format.dtypes import code_dtype
 from nvdcp.format.header import (
     DELTA_ITEM_VERSION,
     DELTA_KINDS,
@@ -74,10 +73,6 @@ from nvdcp.pipeline.tensors import has_lazy_bits, tensor_to_host_bytes
 from nvdcp.transform import delta as delta_transform
 
 _FORMAT_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "format")
-
-
-def _element_size(dtype_code: int) -> int:
-    return torch.empty((), dtype=code_dtype(dtype_code, "")).element_size()
 
 
 @functools.cache
@@ -320,31 +315,31 @@ class _Group:
                            self.table, self.first_chunk, chunk_bytes, header_sizes=self.header_bytes)
 
 
-def _encode_group(tensors: list[torch.Tensor], dtype_code: int, layout: Layout, cb: int, threads: int,
-                  deltas: _Deltas | None = None, shapes: list[tuple[int, ...]] | None = None) -> list[EncodedItem]:
-    """Records of ``tensors`` (one dtype); with ``deltas``, ``tensors`` are the items'
-    differences from their bases (uint8, as :func:`~nvdcp.transform.delta.encode_np` makes
-    them) and ``shapes`` the items' shapes."""
-    return _encode_group_arrays(tensors, dtype_code, layout, cb, threads, deltas, shapes).records()
-
-
-def _encode_group_arrays(tensors: list[torch.Tensor], dtype_code: int, layout: Layout, cb: int, threads: int,
-                         deltas: _Deltas | None = None, shapes: list[tuple[int, ...]] | None = None) -> _Group:
+def _encode_group_arrays(tensors: list[torch.Tensor], dtype_code: int, layout: Layout, cb: int, threads: int) -> _Group:
     """:func:`_encode_group`'s records as arrays."""
-    element_size = tensors[0].element_size() if deltas is None else _element_size(dtype_code)
-    n_planes = element_size if layout.transform == TRANSFORM_BYTEPLANES else 1
+    n_planes = tensors[0].element_size() if layout.transform == TRANSFORM_BYTEPLANES else 1
+    raw = np.fromiter((t.numel() * t.element_size() for t in tensors), dtype=np.int64, count=len(tensors))
+    plane_bytes = raw // n_planes  # each item's bytes in every plane
+    return _encode_planes(_planes(tensors, n_planes, plane_bytes), raw, dtype_code, layout, cb, threads,
+                          [tuple(t.shape) for t in tensors])
+
+
+def _encode_planes(planes: np.ndarray, raw: np.ndarray, dtype_code: int, layout: Layout, cb: int, threads: int,
+                   shapes: list[tuple[int, ...]], deltas: _Deltas | None = None) -> _Group:
+    """Records of items of ``raw[i]`` bytes each, their byte planes back to back in ``planes``
+    (as :func:`_planes` makes them); with ``deltas``, the planes are the items' differences from
+    their bases (:func:`~nvdcp.transform.delta.delta_split`)."""
+    n_planes = planes.shape[0]
     ids = layout_codec_ids(layout.plane_codecs)
     assert len(ids) == n_planes, f"layout {layout} for {n_planes} planes"
-    k = len(tensors)
-    raw = np.fromiter((t.numel() * t.element_size() for t in tensors), dtype=np.int64, count=k)
-    plane_bytes = raw // n_planes  # each item's bytes in every plane
-    chunks = _chunk_plan(_planes(tensors, n_planes, plane_bytes), plane_bytes, cb)
+    k = len(raw)
+    plane_bytes = raw // n_planes
+    chunks = _chunk_plan(planes, plane_bytes, cb)
     holds = planes_hold(deltas is not None, KIND_TENSOR, dtype_code, layout)
     compressed = _compress(chunks, plane_encoders(layout.plane_codecs, n_planes, holds), threads, k,
                            probe=deltas is not None)
 
     # Record layout: header (its chunk table at ``table_at``), then the item's chunks.
-    shapes = shapes if shapes is not None else [tuple(t.shape) for t in tensors]
     raw_list = raw.tolist()
     if deltas is None:
         fields = [HeaderFields(KIND_TENSOR, dtype_code, layout.transform, ids, shape, cb, nbytes)
@@ -383,28 +378,34 @@ def _item_codec_ids(ids: tuple[int, ...], compressed: np.ndarray) -> list[tuple[
 def encode_delta_batch(
     tensors: Sequence[torch.Tensor], bases: Sequence[np.ndarray], base_digests: Sequence[int],
     dtype_codes: Sequence[int], layout_of: Callable[[torch.dtype], Layout | None], chunk_bytes: int, threads: int = 1,
+    keeps: Sequence[np.ndarray | None] | None = None,
 ) -> list[EncodedItem]:
     """Delta records of host tensors against their bases (``bases[i]``: the base item's raw
-    bytes, tensor ``i``'s size; ``base_digests[i]``: its record digest), in order: each item's
-    difference taken (:func:`~nvdcp.transform.delta.encode_np`), then the items of a dtype
-    encoded together, as :func:`encode_tensor_batch` does; a plane whose first chunk does not
-    shrink is stored raw without trying its other chunks, as in
-    :func:`~nvdcp.pipeline.cpu.encode_item`, whose records these are byte for byte.
-    ``layout_of(dtype)``: the delta layout (:func:`~nvdcp.pipeline.policy.choose_delta_layout`),
-    one codec per plane. Whether a delta pays is the caller's to decide."""
+    bytes, tensor ``i``'s size; ``base_digests[i]``: its record digest), in order: the items of a
+    dtype differenced and split into planes in one pass
+    (:func:`~nvdcp.transform.delta.delta_split`), then encoded together, as
+    :func:`encode_tensor_batch` does; a plane whose first chunk does not shrink is stored raw
+    without trying its other chunks, as in :func:`~nvdcp.pipeline.cpu.encode_item`, whose records
+    these are byte for byte. ``keeps[i]``: where tensor ``i``'s raw bytes go for the next save, in
+    the same pass (None: not kept; it may be the item's own base). ``layout_of(dtype)``: the delta
+    layout (:func:`~nvdcp.pipeline.policy.choose_delta_layout`), one codec per plane. Whether a
+    delta pays is the caller's to decide."""
     out: list[EncodedItem | None] = [None] * len(tensors)
     for members, dtype in _by_dtype(tensors):
         layout = layout_of(dtype)
         assert layout is not None, f"no delta layout for {dtype}"
         kind, size = delta_transform.kind_for(dtype), torch.empty((), dtype=dtype).element_size()
         n_planes = size if layout.transform == TRANSFORM_BYTEPLANES else 1
-        assert len(layout.plane_codecs) == n_planes, f"delta layout {layout} for {n_planes} planes"
-        diffs, changed = zip(*[delta_transform.delta_np(tensor_to_host_bytes(tensors[i]), bases[i], kind, size)
-                               for i in members])
-        deltas = _Deltas([base_digests[i] for i in members], kind, [not c for c in changed])
-        records = _encode_group([torch.from_numpy(d) for d in diffs], dtype_codes[members[0]], layout, chunk_bytes,
-                                threads, deltas, [tuple(tensors[i].shape) for i in members])
-        for i, record in zip(members, records):
+        raws = [tensor_to_host_bytes(tensors[i]) for i in members]
+        raw = np.fromiter(map(len, raws), dtype=np.int64, count=len(raws))
+        planes = np.empty((n_planes, int(raw.sum()) // n_planes), dtype=np.uint8)
+        changed = delta_transform.delta_split(raws, [bases[i] for i in members],
+                                              [keeps[i] if keeps else None for i in members], kind, size, planes,
+                                              _exclusive_cumsum(raw // n_planes))
+        deltas = _Deltas([base_digests[i] for i in members], kind, (~changed).tolist())
+        group = _encode_planes(planes, raw, dtype_codes[members[0]], layout, chunk_bytes, threads,
+                               [tuple(tensors[i].shape) for i in members], deltas)
+        for i, record in zip(members, group.records()):
             out[i] = record
     return out  # type: ignore[return-value]
 

@@ -91,6 +91,14 @@ class DeltaInput:
         else:
             self.keep.copy_(torch.from_numpy(raw))
 
+    def host_keep(self) -> np.ndarray | None:
+        """``keep`` as a flat uint8 array when it is host memory the encoder can write while it
+        takes the difference (:func:`~nvdcp.transform.delta.delta_split`), else None."""
+        keep = self.keep
+        if keep is None or keep.device.type != "cpu" or keep.dtype != torch.uint8 or not keep.is_contiguous():
+            return None
+        return keep.numpy().reshape(-1)
+
     def pays(self, delta_nbytes: int) -> bool:
         """Whether a delta record of ``delta_nbytes`` is worth keeping over the item stored whole."""
         return self.whole_nbytes is None or delta_nbytes <= self.whole_nbytes * (1 - self.min_gain)

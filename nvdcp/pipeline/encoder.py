@@ -171,16 +171,18 @@ class ItemEncoder:
             element_size=tensor.element_size(), pool=self._pool_arg(pool), chunk_bytes=self.config.chunk_bytes,
         )
         layout = choose_delta_layout(tensor.dtype, codec) if delta is not None and delta.base is not None else None
+        kept = None  # where the difference's pass kept the bytes
         if layout is None:
             encoded = encode(layout=choose_layout(tensor.dtype, codec))
         else:
             assert delta is not None and delta.base is not None
+            kept = delta.host_keep()
             encoded = encode(layout=layout, base=delta.host_base(), base_digest=delta.base_digest,
-                             delta_kind=delta_transform.kind_for(tensor.dtype))
+                             delta_kind=delta_transform.kind_for(tensor.dtype), keep=kept)
             if delta.wants_whole(encoded.nbytes):
                 encoded = delta.choose(encoded, encode(layout=choose_layout(tensor.dtype, codec)))
-        if delta is not None and delta.keep is not None:
-            delta.store_kept(raw)  # after the XOR read the base there
+        if delta is not None and delta.keep is not None and kept is None:
+            delta.store_kept(raw)  # after the difference read the base there
         return encoded
 
     # -- the GPU path --------------------------------------------------------------------------
@@ -370,13 +372,17 @@ class ItemEncoder:
                 for i, record in zip(whole, self._encode_small_whole([_host_tensor(datas[i]) for i in whole],  # type: ignore[misc]
                                                                       [keys[i] for i in whole], describe)):
                     out[i] = record
+            kept: set[int] = set()  # items whose bytes the delta pass kept
             if deltas:
-                got = self._encode_small_deltas([keys[i] for i in deltas], [datas[i] for i in deltas], describe)  # type: ignore[misc]
-                for i, record in zip(deltas, got):
+                got, kept_here = self._encode_small_deltas([keys[i] for i in deltas], [datas[i] for i in deltas],  # type: ignore[misc]
+                                                           describe)
+                for i, record, k in zip(deltas, got, kept_here):
                     out[i] = record
+                    if k:
+                        kept.add(i)
             for i in host:  # every base is read by now: kept bytes may overwrite it
                 data = datas[i]
-                if isinstance(data, DeltaTensor) and data.delta.keep is not None:
+                if isinstance(data, DeltaTensor) and data.delta.keep is not None and i not in kept:
                     data.delta.store_kept(tensor_to_host_bytes(data.tensor))
         for i, (key, data) in enumerate(zip(keys, datas)):
             if out[i] is None:
@@ -398,24 +404,27 @@ class ItemEncoder:
         return choose_delta_layout(data.tensor.dtype, self.config.codec)
 
     def _encode_small_deltas(self, keys: list[Any], datas: list[DeltaTensor], describe: Callable[[Any], str],
-                             ) -> list[EncodedItem]:
+                             ) -> tuple[list[EncodedItem], list[bool]]:
         """Small host items saved against their bases, together: their deltas
-        (:func:`~nvdcp.pipeline.cpu_batch.encode_delta_batch`), then, as :meth:`encode_tensor`
-        decides one at a time, the items stored whole where a delta does not pay (or the item's
-        whole size is unknown, as after a base read back from storage)."""
+        (:func:`~nvdcp.pipeline.cpu_batch.encode_delta_batch`, which also keeps the bytes of
+        items kept in host memory), then, as :meth:`encode_tensor` decides one at a time, the
+        items stored whole where a delta does not pay (or the item's whole size is unknown, as
+        after a base read back from storage). Returns the records and which items were kept."""
         tensors = [d.tensor for d in datas]
         codes = _dtype_codes(tensors, keys, describe)
+        keeps = [d.delta.host_keep() for d in datas]
         records = encode_delta_batch(
             tensors, [d.delta.host_base() for d in datas],
             [d.delta.base_digest for d in datas], codes,  # type: ignore[misc]
             functools.partial(choose_delta_layout, codec=self.config.codec), self.config.chunk_bytes, self.config.threads,
+            keeps,
         )
         retry = [i for i, (d, r) in enumerate(zip(datas, records)) if d.delta.wants_whole(r.nbytes)]
         if retry:
             wholes = self._encode_small_whole([tensors[i] for i in retry], [keys[i] for i in retry], describe)
             for i, whole in zip(retry, wholes):
                 records[i] = datas[i].delta.choose(records[i], whole)
-        return records
+        return records, [k is not None for k in keeps]
 
     def _encode_cpu(
         self, data: ItemData, key: Any, describe: Callable[[Any], str], pool: ThreadPoolExecutor | None = None,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -88,6 +88,59 @@ def delta_np(raw: np.ndarray, base: np.ndarray, kind: int, element_size: int) ->
     changed = fn(raw.ctypes.data, base.ctypes.data, raw.size // width, width, kind, out.ctypes.data)
     assert changed >= 0, (kind, element_size)
     return out, bool(changed)
+
+
+@functools.cache
+def _native_split() -> Callable[..., int] | None:
+    """``nvdcp_delta_split_many`` of the native library, None when it is not built."""
+    fn = load_function(_FORMAT_DIR, "_crc32c_batch", "nvdcp_delta_split_many")
+    if fn is not None:
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+def delta_split(raws: Sequence[np.ndarray], bases: Sequence[np.ndarray], keeps: Sequence[np.ndarray | None],
+                kind: int, element_size: int, planes: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """The deltas of ``raws`` against ``bases`` (flat uint8 arrays, pairwise of one size), split
+    into ``planes`` (``(n_planes, n)`` uint8; ``n_planes`` 1 or ``element_size``): array ``i``'s
+    delta at ``planes[p, offsets[i] : offsets[i] + raws[i].size // n_planes]``, as
+    :func:`encode_np` then a byte-plane split make it. Each raw array is also copied to
+    ``keeps[i]`` (None: not kept), which may be its own base's memory (each base byte is read
+    before it is overwritten) but no other array's. One native pass over each array where the
+    library is built (no difference in fresh memory, no second pass to keep it). Returns which
+    deltas are not all zero (bool per array)."""
+    n_planes = planes.shape[0]
+    fn = _native_split()
+    if fn is None or not all(_native_fits(r, b, element_size=element_size) for r, b in zip(raws, bases)):
+        return _delta_split_numpy(raws, bases, keeps, kind, element_size, planes, offsets)
+    count = len(raws)
+    addresses = np.array([[r.ctypes.data, b.ctypes.data, 0 if k is None else k.ctypes.data]
+                          for r, b, k in zip(raws, bases, keeps)], dtype=np.int64).reshape(count, 3)
+    srcs, base_at, keep_at = (np.ascontiguousarray(addresses[:, j]) for j in range(3))
+    ns = np.fromiter((r.size // n_planes for r in raws), dtype=np.int64, count=count)
+    at = np.ascontiguousarray(offsets, dtype=np.int64)
+    changed = np.zeros(count, dtype=np.uint8)
+    done = fn(srcs.ctypes.data, base_at.ctypes.data, keep_at.ctypes.data, ns.ctypes.data, count, n_planes, kind,
+              _native_width(kind, element_size), planes.ctypes.data, at.ctypes.data, planes.shape[1],
+              changed.ctypes.data)
+    assert done == 0, (kind, element_size, n_planes)
+    return changed.astype(bool)
+
+
+def _delta_split_numpy(raws: Sequence[np.ndarray], bases: Sequence[np.ndarray], keeps: Sequence[np.ndarray | None],
+                       kind: int, element_size: int, planes: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """:func:`delta_split` one array at a time (without the native library)."""
+    n_planes = planes.shape[0]
+    changed = np.zeros(len(raws), dtype=bool)
+    for i, (raw, base, keep) in enumerate(zip(raws, bases, keeps)):
+        diff, changed[i] = delta_np(raw, base, kind, element_size)
+        if keep is not None:
+            keep[:] = raw
+        n = raw.size // n_planes
+        planes[:, int(offsets[i]) : int(offsets[i]) + n] = diff.reshape(n, n_planes).T
+    return changed
 
 
 def encode_np(raw: np.ndarray, base: np.ndarray, kind: int, element_size: int) -> np.ndarray:
@@ -215,6 +268,6 @@ def accumulate_torch(acc: torch.Tensor, level: torch.Tensor, kind: int, element_
 __all__ = [
     "KINDS", "XOR", "ZIGZAG_DIFF", "accumulate_torch", "apply_np", "apply_numpy", "delta_np", "difference_into_base_torch",
     "encode_into_base_torch",
-    "encode_np", "encode_numpy", "encode_torch", "finish_in_place_torch", "kind_for",
+    "delta_split", "encode_np", "encode_numpy", "encode_torch", "finish_in_place_torch", "kind_for",
     "to_difference_torch",
 ]

@@ -324,3 +324,45 @@ def test_garbage_zstd_chunk_with_a_valid_checksum_is_corrupt() -> None:
     record = _with_chunk(_zero_bytes_item(), 1, b"\x00" * 20)
     with pytest.raises(CorruptCheckpointError, match="bad: chunk 1 .*codec zstd.*does not decode"):
         decode_item(record, "bad", None)
+
+
+@pytest.mark.parametrize("keep", ["none", "fresh", "base"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32])
+def test_delta_item_keeps_its_bytes_in_the_same_pass(keep: str, dtype: torch.dtype, pool: ThreadPoolExecutor,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """encode_item with a base and ``keep``: the record is the same whether the bytes are kept
+    or not, in fresh memory or over the base itself, with several groups on a pool; the kept
+    bytes are the item's; applied to the base the record gives the item."""
+    from nvdcp.pipeline.policy import choose_delta_layout
+    from nvdcp.transform import delta as delta_transform
+
+    monkeypatch.setattr(cpu, "_GROUP_BYTES", 3 * 4096 * 4)  # several groups of 4 KiB blocks
+    t = weights_like((96, 257), dtype, seed=5) if dtype.is_floating_point else random_tensor(dtype, (96, 257), seed=5)
+    raw = tensor_to_host_bytes(t)
+    base = raw.copy()
+    base[::7] ^= 3  # about every seventh byte moved
+    kind, size = delta_transform.kind_for(dtype), t.element_size()
+
+    def encode(base_bytes: np.ndarray, keep_bytes: np.ndarray | None) -> EncodedItem:
+        return encode_item(raw, kind=KIND_TENSOR, dtype_code=dtype_code(dtype), shape=tuple(t.shape), element_size=size,
+                           layout=choose_delta_layout(dtype, "zstd"), pool=pool, chunk_bytes=4096, base=base_bytes,
+                           base_digest=42, delta_kind=kind, keep=keep_bytes)
+
+    reference = encode(base.copy(), None)
+    given = base.copy()
+    kept = {"none": None, "fresh": np.zeros_like(raw), "base": given}[keep]
+    record = encode(given, kept)
+    assert _record(record).tobytes() == _record(reference).tobytes()
+    assert kept is None or np.array_equal(kept, raw)
+    _, diff = decode_item(_record(record), "x", None, size)
+    value = base.copy()
+    delta_transform.apply_np(value, diff, kind, size)
+    assert np.array_equal(value, raw)
+
+
+def test_delta_item_refuses_a_keep_of_the_wrong_size() -> None:
+    raw = np.arange(64, dtype=np.uint8)
+    with pytest.raises(ValueError, match="kept for the next save need 64 bytes, got 63"):
+        encode_item(raw, kind=KIND_TENSOR, dtype_code=dtype_code(torch.uint8), shape=(64,), element_size=1,
+                    layout=Layout(TRANSFORM_NONE, ("zstd",)), pool=None, base=raw.copy(), base_digest=1,
+                    keep=np.zeros(63, dtype=np.uint8))

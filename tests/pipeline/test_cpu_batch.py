@@ -234,18 +234,25 @@ def _delta_cases(seed: int = 0) -> tuple[list[torch.Tensor], list[np.ndarray]]:
 
 @pytest.mark.parametrize("chunk_bytes", [DEFAULT_CHUNK_BYTES, 4096])
 @pytest.mark.parametrize("threads", [1, 3])
-def test_delta_batch_records_decode_to_the_items_and_match_encode_item(chunk_bytes: int, threads: int) -> None:
+@pytest.mark.parametrize("keep", ["none", "fresh", "base"])
+def test_delta_batch_records_decode_to_the_items_and_match_encode_item(chunk_bytes: int, threads: int,
+                                                                       keep: str) -> None:
     """Each record is a valid v2 delta record, byte for byte encode_item's (the same first-chunk
     probe: a plane whose first chunk does not shrink is stored raw, "none"), and applied to its
-    base it gives the item."""
+    base it gives the item. Items kept for the next save (in fresh memory, or over their own
+    base) have their bytes there afterwards, and the records are the same."""
     from nvdcp.pipeline.policy import choose_delta_layout
     from nvdcp.transform import delta as delta_transform
 
     tensors, bases = _delta_cases()
     digests = [1000 + i for i in range(len(tensors))]
     layout_of = functools.partial(choose_delta_layout, codec="zstd")
-    records = cpu_batch.encode_delta_batch(tensors, bases, digests, [dtype_code(t.dtype) for t in tensors],
-                                           layout_of, chunk_bytes, threads)
+    given = [b.copy() for b in bases]  # the batch may overwrite these (keep="base")
+    keeps = {"none": None, "fresh": [np.zeros_like(b) for b in bases], "base": given}[keep]
+    records = cpu_batch.encode_delta_batch(tensors, given, digests, [dtype_code(t.dtype) for t in tensors],
+                                           layout_of, chunk_bytes, threads, keeps)
+    if keeps is not None:
+        assert all(np.array_equal(k, tensor_to_host_bytes(t)) for k, t in zip(keeps, tensors))
     for t, base, digest, rec in zip(tensors, bases, digests, records):
         raw, kind = tensor_to_host_bytes(t), delta_transform.kind_for(t.dtype)
         ref = encode_item(raw, kind=KIND_TENSOR, dtype_code=dtype_code(t.dtype), shape=tuple(t.shape),

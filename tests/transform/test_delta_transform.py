@@ -101,3 +101,46 @@ def test_native_and_numpy_give_the_same_bytes_at_any_alignment(kind: int, size: 
     assert np.array_equal(reference, raw)
     same, changed = D.delta_np(raw, raw.copy(), kind, size)
     assert not changed and not same.any()
+
+
+@pytest.mark.parametrize(("kind", "size", "n_planes"), [
+    (D.XOR, 1, 1), (D.XOR, 4, 4), (D.XOR, 2, 1), *[(D.ZIGZAG_DIFF, s, p) for s in (2, 4, 8) for p in (1, s)],
+])
+@pytest.mark.parametrize("native", [True, False])
+def test_delta_split_is_the_difference_split_into_planes_and_keeps_the_bytes(
+    kind: int, size: int, n_planes: int, native: bool, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """delta_split (native one-pass, and its numpy fallback) writes exactly encode_numpy's
+    difference, split into byte planes at each array's offset, and nothing else; keeps each raw
+    array where asked, also where the keep is the array's own base; reports unchanged arrays."""
+    if not native:
+        monkeypatch.setattr(D, "_native_split", lambda: None)
+    elif D._native_split() is None:
+        pytest.skip("the native library is not built here")
+    # empty, one element, a partial tile, tiles and a bit, odd addresses (offset 1 into a buffer)
+    counts = [0, 1, 3, 4096, 4099, 9000]
+    raws = [_bytes(c * size + 1, 10 + i)[1:] for i, c in enumerate(counts)]
+    bases = [r.copy() for r in raws]
+    for i, b in enumerate(bases):
+        if i % 2:
+            b[:: 5 + i] ^= 0x41  # some elements moved; the even ones unchanged
+    keep_fresh = [np.zeros_like(r) if i % 3 else None for i, r in enumerate(raws)]
+    per_plane = np.array([r.size // n_planes for r in raws], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(per_plane)[:-1]]).astype(np.int64)
+    planes = np.full((n_planes, int(per_plane.sum()) + 7), 0xEE, dtype=np.uint8)  # 7 guard bytes per plane
+
+    changed = D.delta_split(raws, bases, keep_fresh, kind, size, planes, offsets)
+
+    for i, (raw, base) in enumerate(zip(raws, bases)):
+        want = D.encode_numpy(raw, base, kind, size).reshape(-1, n_planes).T
+        got = planes[:, offsets[i] : offsets[i] + per_plane[i]]
+        assert np.array_equal(got, want), i
+        assert changed[i] == bool(want.any()) == (i % 2 == 1 and raw.size > 0), i
+        assert keep_fresh[i] is None or np.array_equal(keep_fresh[i], raw)
+    assert (planes[:, -7:] == 0xEE).all()  # nothing written past the planes
+
+    in_place = [b.copy() for b in bases]  # each array kept over its own base
+    planes_again = np.zeros_like(planes)
+    D.delta_split(raws, in_place, in_place, kind, size, planes_again, offsets)
+    assert np.array_equal(planes_again[:, :-7], planes[:, :-7])
+    assert all(np.array_equal(k, r) for k, r in zip(in_place, raws))
