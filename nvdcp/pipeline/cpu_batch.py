@@ -394,7 +394,7 @@ def encode_delta_batch(
     for members, dtype in _by_dtype(tensors):
         layout = layout_of(dtype)
         assert layout is not None, f"no delta layout for {dtype}"
-        kind, size = delta_transform.kind_for(dtype), torch.empty((), dtype=dtype).element_size()
+        kind, size = delta_transform.kind_for(dtype), dtype.itemsize
         n_planes = size if layout.transform == TRANSFORM_BYTEPLANES else 1
         raws = [tensor_to_host_bytes(tensors[i]) for i in members]
         raw = np.fromiter(map(len, raws), dtype=np.int64, count=len(raws))
