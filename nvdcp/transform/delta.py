@@ -116,9 +116,9 @@ def delta_split(raws: Sequence[np.ndarray], bases: Sequence[np.ndarray], keeps: 
     if fn is None or not all(_native_fits(r, b, element_size=element_size) for r, b in zip(raws, bases)):
         return _delta_split_numpy(raws, bases, keeps, kind, element_size, planes, offsets)
     count = len(raws)
-    addresses = np.array([[r.ctypes.data, b.ctypes.data, 0 if k is None else k.ctypes.data]
-                          for r, b, k in zip(raws, bases, keeps)], dtype=np.int64).reshape(count, 3)
-    srcs, base_at, keep_at = (np.ascontiguousarray(addresses[:, j]) for j in range(3))
+    srcs = np.fromiter((r.ctypes.data for r in raws), dtype=np.int64, count=count)
+    base_at = np.fromiter((b.ctypes.data for b in bases), dtype=np.int64, count=count)
+    keep_at = np.fromiter((0 if k is None else k.ctypes.data for k in keeps), dtype=np.int64, count=count)
     ns = np.fromiter((r.size // n_planes for r in raws), dtype=np.int64, count=count)
     at = np.ascontiguousarray(offsets, dtype=np.int64)
     changed = np.zeros(count, dtype=np.uint8)
