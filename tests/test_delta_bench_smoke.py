@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import delta_bench
+from benchmarks import delta_bench, delta_save_items
 
 
 def test_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -79,3 +79,14 @@ def test_delta_probe_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixtu
         assert row["bit_exact"] and len(row["seconds"]["delta_save"]) == 3 and len(row["seconds"]["d3_load"]) == 2
         assert 0 < row["bytes"]["p1"] and 0 < row["bytes"]["f1"]
     assert not (tmp_path / "ckpt" / "bf16").exists()
+
+
+def test_delta_save_items_runs_end_to_end(tmp_path: Path) -> None:
+    assert delta_save_items.main(["--items", "30,60", "--saves", "3", "--dir", str(tmp_path / "ckpt"),
+                                  "--out", str(tmp_path), "--suffix", "_smoke"]) == 0
+    payload = json.loads(next(tmp_path.glob("delta_save_items_*_smoke.json")).read_text())
+    assert {"date", "machine", "command"} <= payload.keys()
+    assert [r["items"] for r in payload["rows"]] == [30, 60]
+    for row in payload["rows"]:
+        assert len(row["full_saves_s"]) == len(row["delta_saves_s"]) == 3
+        assert len(row["base_checks_s"]) == 2  # a base check per delta save but the first (no base yet)

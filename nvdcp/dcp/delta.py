@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-from nvdcp.dcp.metadata_io import load_metadata
+from nvdcp.dcp.metadata_io import METADATA_NAME, load_metadata, parse_metadata, read_metadata_bytes
 from nvdcp.dcp.stock_items import is_nvdcp_record
 from nvdcp.errors import IncompleteCheckpointError, MissingBaseError, NvdcpError
 from nvdcp.format.delta import BaseRef, base_candidates, read_delta, relative_location, same_location
@@ -121,7 +121,9 @@ class DeltaPolicy:
             then holds the full save's bytes, written once per full save.
 
     The policy remembers the last save it committed; :meth:`resume_from` sets it to a checkpoint
-    on storage (a resumed job's next save deltas against the checkpoint it resumed from).
+    on storage (a resumed job's next save deltas against the checkpoint it resumed from). It
+    keeps that save's ``.metadata`` bytes too (about 190 bytes per item), so the next save checks
+    that its base is still there, unchanged, by reading and comparing them, not unpickling them.
     Thread-safe; not shared across processes: each rank holds its own, and the coordinator's
     decides for every rank.
     """
@@ -152,6 +154,9 @@ class DeltaPolicy:
         self._last: SaveRef | None = None
         self._full: SaveRef | None = None  # the last save stored whole (the base when against="full")
         self._since_full = 0  # saves committed since it
+        # The .metadata bytes of _last and _full, by location, as committed (or read at resume):
+        # the next save's base check compares bytes instead of unpickling (resolve_base).
+        self._committed_bytes: dict[str, bytes] = {}
         self._lock = threading.Lock()
 
     @property
@@ -183,13 +188,33 @@ class DeltaPolicy:
         """Whether each save's bytes replace the cache's (else only whole saves' do)."""
         return self.against == "previous"
 
-    def committed(self, save: SaveRef) -> None:
+    def committed(self, save: SaveRef, metadata_bytes: bytes | None = None) -> None:
+        """Remember ``save``, just committed (``metadata_bytes``: its ``.metadata`` as written)."""
         with self._lock:
             self._last = save
             if save.depth == 0:
                 self._full, self._since_full = save, 0
             else:
                 self._since_full += 1
+            self._remember_bytes(save, metadata_bytes)
+
+    def _remember_bytes(self, save: SaveRef, metadata_bytes: bytes | None) -> None:
+        kept = {ref.location for ref in (self._last, self._full) if ref is not None}
+        self._committed_bytes = {loc: b for loc, b in self._committed_bytes.items() if loc in kept}
+        if metadata_bytes is not None:
+            self._committed_bytes[save.location] = metadata_bytes
+        else:
+            self._committed_bytes.pop(save.location, None)
+
+    def known_base(self, location: str) -> tuple[SaveRef, bytes] | None:
+        """The save this policy remembers at ``location`` (its last, or its last whole one) and
+        that save's ``.metadata`` bytes, when it has both."""
+        with self._lock:
+            blob = self._committed_bytes.get(location)
+            for ref in (self._last, self._full):
+                if blob is not None and ref is not None and ref.location == location:
+                    return ref, blob
+        return None
 
     def resume_from(self, location: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> None:
         """Make the checkpoint at ``location`` the base of the next save (after a restart).
@@ -198,7 +223,9 @@ class DeltaPolicy:
             IncompleteCheckpointError: no committed checkpoint there.
         """
         location = os.fspath(location)
-        metadata = load_metadata(open_storage(location, **(storage_options or {})))
+        storage = open_storage(location, **(storage_options or {}))
+        blob = read_metadata_bytes(storage)
+        metadata = parse_metadata(blob, storage.describe(METADATA_NAME))
         ref = read_delta(metadata, location)
         save = SaveRef(location, _save_id(metadata), ref.depth if ref else 0, _digests_crc(metadata))
         with self._lock:
@@ -207,12 +234,14 @@ class DeltaPolicy:
             self._full = save if ref is None else None
             if ref is not None and self.against == "full":
                 self._full = _find_full(location, ref, storage_options or {})
+            self._remember_bytes(save, blob)
 
     def forget(self) -> None:
         """Forget the last save and free the cache: the next save is saved whole."""
         with self._lock:
             self._last = self._full = None
             self._since_full = 0
+            self._committed_bytes = {}
         self.cache.clear()
 
 
@@ -251,10 +280,16 @@ def _digests_crc(metadata: Metadata) -> int | None:
 
 
 def resolve_base(target: str, candidate: str, storage_options: dict[str, Any], max_chain: int,
-                 explicit: bool) -> BaseRef | None:
+                 explicit: bool, known: tuple[SaveRef, bytes] | None = None) -> BaseRef | None:
     """The :class:`BaseRef` a save to ``target`` records for the base ``candidate``, or None when
     it must be saved whole (the chain would exceed ``max_chain``; with a policy's candidate, also
     when the base is gone or is ``target`` itself).
+
+    ``known``: the save a policy committed at ``candidate`` and its ``.metadata`` bytes
+    (:meth:`DeltaPolicy.known_base`). When the ``.metadata`` there still holds those bytes, its
+    save id, depth and digest record are taken from ``known`` without unpickling it: that took
+    0.2 s at 20,000 items and 1.2-1.7 s at 100,000 (CPU machine), on the coordinator, before
+    any rank writes. Any other bytes there are read as usual.
 
     Raises (only when ``explicit``: the user named the base):
         ValueError: the base is the checkpoint being saved (its files are replaced by the save).
@@ -264,19 +299,25 @@ def resolve_base(target: str, candidate: str, storage_options: dict[str, Any], m
         if explicit:
             raise ValueError(f"base={candidate!r} is the checkpoint being saved: a delta needs its base kept elsewhere")
         return None
+    storage = open_storage(candidate, **storage_options)
     try:
-        metadata = load_metadata(open_storage(candidate, **storage_options))
+        blob = read_metadata_bytes(storage)
     except IncompleteCheckpointError:
         if explicit:
             raise MissingBaseError(f"base {candidate}: no committed checkpoint there") from None
         logger.warning("nvdcp: the previous checkpoint %s is gone; saving %s whole", candidate, target)
         return None
-    prior = read_delta(metadata, candidate)
-    depth = (prior.depth if prior else 0) + 1
+    if known is not None and known[1] == blob:
+        save = known[0]
+    else:
+        metadata = parse_metadata(blob, storage.describe(METADATA_NAME))
+        prior = read_delta(metadata, candidate)
+        save = SaveRef(candidate, _save_id(metadata), prior.depth if prior else 0, _digests_crc(metadata))
+    depth = save.depth + 1
     if depth > max_chain:
         logger.info("nvdcp: a delta against %s would make a chain of %d (max %d): saving whole", candidate, depth, max_chain)
         return None
-    return BaseRef(candidate, _save_id(metadata), depth, relative_location(target, candidate), _digests_crc(metadata))
+    return BaseRef(candidate, save.save_id, depth, relative_location(target, candidate), save.digests_crc)
 
 
 # -- the base in host memory ---------------------------------------------------------------------

@@ -149,14 +149,26 @@ def load_metadata(storage: Storage, *, allow_paths: bool = False) -> Metadata:
     hostile record fails here, before any data is fetched or allocated. ``allow_paths`` also
     admits ``pathlib`` paths, which stock DCP checkpoints hold (the CLI reads those too).
     """
-    where = storage.describe(METADATA_NAME)
+    return parse_metadata(read_metadata_bytes(storage), storage.describe(METADATA_NAME), allow_paths=allow_paths)
+
+
+def read_metadata_bytes(storage: Storage) -> bytes:
+    """The bytes of ``storage``'s ``.metadata``, unparsed.
+
+    Raises:
+        IncompleteCheckpointError: there is none (no committed checkpoint there).
+    """
     try:
-        blob = storage.read(METADATA_NAME)
+        return storage.read(METADATA_NAME)
     except (MissingDataFileError, FileNotFoundError):
         raise IncompleteCheckpointError(
             f"{storage.url}: no committed checkpoint here ({METADATA_NAME} is missing: the save "
             "never finished, or this is not a checkpoint)"
         ) from None
+
+
+def parse_metadata(blob: bytes, where: str, *, allow_paths: bool = False) -> Metadata:
+    """A ``.metadata``'s bytes (read from ``where``) unpickled and checked as :func:`load_metadata` says."""
     if len(blob) > MAX_METADATA_BYTES:
         raise CorruptCheckpointError(f"{where}: {len(blob)} bytes is implausibly large")
     check_memo_indices(blob, where)

@@ -355,7 +355,8 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
         candidate = self.delta.next_base()
         if candidate is None:
             return None
-        return resolve_base(self.path, candidate, self.storage_options, self.delta.max_chain, explicit=False)
+        return resolve_base(self.path, candidate, self.storage_options, self.delta.max_chain, explicit=False,
+                            known=self.delta.known_base(candidate))
 
     @collector_paused
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -479,7 +480,7 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
             HISTORY.remember(self.storage.url, self.save_id, digests)
         if self.delta is not None:
             crc = getattr(metadata, DIGEST_ATTR, {}).get("crc") if digests is not None else None
-            self.delta.committed(SaveRef(self.path, self.save_id, base.depth if base else 0, crc))
+            self.delta.committed(SaveRef(self.path, self.save_id, base.depth if base else 0, crc), blob)
         del blob
         own = self.last_report
         # whole-checkpoint bytes, this rank's phase times (the coordinator's view); a save by

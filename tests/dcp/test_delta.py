@@ -18,9 +18,11 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 import nvdcp
+from nvdcp.dcp import delta as delta_module
 from nvdcp.dcp import descriptor
 from nvdcp.dcp.delta import DeltaSave
 from nvdcp.format.delta import DELTA_ATTR
+from nvdcp.format.digest import DIGEST_ATTR
 from nvdcp.format.header import checksum, parse_item_header
 from nvdcp.testing import faults as F
 from tests.conftest import bit_equal, random_tensor, weights_like
@@ -671,6 +673,64 @@ def test_base_overwritten_between_saves_deltas_against_what_is_there(tmp_path: P
     rec = _record(tmp_path / "s1")
     if rec is not None:
         assert rec["save_id"] == _metadata(paths[0]).storage_meta.save_id
+    _load_check(tmp_path / "s1", _snapshot(sd))
+
+
+class _CountBaseParses:
+    """Counts ``.metadata`` files a save's base check unpickled (``resolve_base``'s parses)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.n = 0
+        original = delta_module.parse_metadata
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.n += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(delta_module, "parse_metadata", counted)
+
+
+def test_the_base_check_compares_bytes_instead_of_unpickling(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A policy's next save finds its previous save's ``.metadata`` unchanged by its bytes: no
+    unpickling, and the delta records the same base (save id, depth, digest record) as a parse
+    would give."""
+    policy = nvdcp.DeltaPolicy(full_every=8)
+    paths, _, sd = _chain(tmp_path, 2, policy)
+    parses = _CountBaseParses(monkeypatch)
+    _train(sd, 2)
+    save(sd, tmp_path / "s2", delta=policy)
+    assert parses.n == 0
+    rec, base = _record(tmp_path / "s2"), _metadata(paths[1])
+    assert rec is not None and rec["depth"] == 2 and rec["save_id"] == base.storage_meta.save_id
+    assert rec["digests_crc"] == getattr(base, DIGEST_ATTR)["crc"]
+    _load_check(tmp_path / "s2", _snapshot(sd))
+
+
+def test_a_base_whose_metadata_bytes_changed_is_parsed_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The previous save's ``.metadata`` replaced out of band by another pickle of the same
+    checkpoint (same content, other bytes): the check parses it, the delta still records it."""
+    policy = nvdcp.DeltaPolicy(full_every=8)
+    paths, _, sd = _chain(tmp_path, 2, policy)
+    md_path = paths[1] / ".metadata"
+    metadata = pickle.loads(md_path.read_bytes())
+    md_path.write_bytes(pickle.dumps(metadata, protocol=2))  # other bytes, same save
+    parses = _CountBaseParses(monkeypatch)
+    _train(sd, 2)
+    save(sd, tmp_path / "s2", delta=policy)
+    assert parses.n == 1
+    rec = _record(tmp_path / "s2")
+    assert rec is not None and rec["depth"] == 2 and rec["save_id"] == metadata.storage_meta.save_id
+    _load_check(tmp_path / "s2", _snapshot(sd))
+
+
+def test_resume_from_remembers_the_bytes_it_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    paths, _, sd = _chain(tmp_path, 1, nvdcp.DeltaPolicy(full_every=8))
+    fresh = nvdcp.DeltaPolicy(full_every=8)
+    fresh.resume_from(paths[0])
+    parses = _CountBaseParses(monkeypatch)
+    _train(sd, 1)
+    save(sd, tmp_path / "s1", delta=fresh)
+    assert parses.n == 0 and _depth(tmp_path / "s1") == 1
     _load_check(tmp_path / "s1", _snapshot(sd))
 
 
