@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 #: ``CU_POINTER_ATTRIBUTE_DEVICE_POINTER`` of the CUDA driver API.
-_DEVICE_POINTER = 3  # (1: the context, 2: the memory type)
+_DEVICE_POINTER = 2
 
 
 @functools.cache
