@@ -63,6 +63,73 @@ def _kernel() -> Any:
     return planes_kernel
 
 
+#: Element sizes the delta split takes (one byte plane per byte of an element).
+DELTA_SPLIT_SIZES = (1, 2, 4, 8)
+#: Columns of a delta split table row before the plane addresses: elements, element count,
+#: base, keep.
+DELTA_SPLIT_FIXED = 4
+
+
+@functools.cache
+def _delta_kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def delta_split_kernel(table_ptr, P: tl.constexpr, TILE: tl.constexpr, KIND: tl.constexpr, KEEP: tl.constexpr,
+                           UINT: tl.constexpr, SINT: tl.constexpr):
+        row = tl.program_id(0)
+        base = table_ptr + row * (4 + P)
+        n = tl.load(base + 1)
+        j = tl.program_id(1) * TILE + tl.arange(0, TILE)
+        mask = j < n
+        value = tl.load(tl.load(base).to(tl.pointer_type(UINT)) + j, mask=mask, other=0)
+        if KIND != 0:  # 1: XOR, 2: zigzag difference (delta_split_rows maps the format's kinds)
+            old = tl.load(tl.load(base + 2).to(tl.pointer_type(UINT)) + j, mask=mask, other=0)
+        if KEEP:  # after the base is read: the keep may be the base's own memory
+            tl.store(tl.load(base + 3).to(tl.pointer_type(UINT)) + j, value, mask=mask)
+        if KIND == 1:  # XOR
+            value = value ^ old
+        if KIND == 2:  # zigzag of the wrapping difference
+            d = (value - old).to(SINT, bitcast=True)
+            value = ((d << 1) ^ (d >> (8 * P - 1))).to(UINT, bitcast=True)
+        k = tl.arange(0, P)
+        planes = tl.load(base + 4 + k).to(tl.pointer_type(tl.uint8))
+        shifts = (k * 8).to(UINT)
+        planes_bytes = ((value[:, None] >> shifts[None, :]) & 0xFF).to(tl.uint8)
+        tl.store(planes[None, :] + j[:, None], planes_bytes, mask=mask[:, None])
+
+    return delta_split_kernel
+
+
+def delta_split_rows(table: torch.Tensor, element_size: int, kind: int | None, keep: bool, max_elements: int) -> None:
+    """Split blocks into byte planes as :func:`split_rows` does, each block first stored as its
+    difference of ``kind`` from a base (:mod:`nvdcp.transform.delta`'s ``XOR`` or
+    ``ZIGZAG_DIFF``; None: no base, the block itself) and, with ``keep``, its raw bytes also
+    written to a keep address: one pass over each block, the bytes :func:`~nvdcp.transform.delta.encode_into_base_torch`
+    and a split give. ``table``: int64, ``rows x (4 + element_size)``:
+    the block's elements, element count, base, keep (each block's address; base or keep unused
+    without ``kind`` or ``keep``), then one destination address per plane. Element, base and keep
+    addresses must be aligned to ``element_size``; the keep may be the base's memory (each
+    element's base is read before its keep is written). On the current stream."""
+    import triton.language as tl
+
+    from nvdcp.transform.delta import XOR, ZIGZAG_DIFF
+
+    kernel_kind = {None: 0, XOR: 1, ZIGZAG_DIFF: 2}.get(kind)
+    if element_size not in DELTA_SPLIT_SIZES or kernel_kind is None:
+        raise ValueError(f"the delta split takes elements of {DELTA_SPLIT_SIZES} bytes and delta kinds "
+                         f"{XOR}, {ZIGZAG_DIFF} or None, got {element_size} bytes, kind {kind}")
+    rows = table.shape[0]
+    if rows == 0 or max_elements <= 0:
+        return
+    uint = {1: tl.uint8, 2: tl.uint16, 4: tl.uint32, 8: tl.uint64}[element_size]
+    sint = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}[element_size]
+    tile = TILE_BYTES // element_size
+    _delta_kernel()[(rows, -(-max_elements // tile))](table, P=element_size, TILE=tile, KIND=kernel_kind, KEEP=keep,
+                                                       UINT=uint, SINT=sint, num_warps=4)
+
+
 def _triton_runs_here(switch: str) -> bool:
     """Triton importable, a CUDA device (or ``TRITON_INTERPRET=1``), and ``switch`` not ``0``."""
     if os.environ.get(switch, "1") == "0":
