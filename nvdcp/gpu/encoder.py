@@ -37,16 +37,9 @@ from nvdcp.format.header import TRANSFORM_BYTEPLANES, ChunkTable, ItemHeader
 from nvdcp.format.header_batch import HeaderFields, header_layout, header_of, pack_headers_into
 from nvdcp.gpu import crc32c
 from nvdcp.gpu.allocator import install_allocator
-from nvdcp.gpu.merge import (
-    DELTA_SPLIT_SIZES,
-    PLANE_COUNTS,
-    delta_split_rows,
-    merge_table,
-    split_available,
-    split_rows,
-)
+from nvdcp.gpu.merge import PLANE_COUNTS, merge_table, split_available, split_rows
 from nvdcp.gpu.nvcomp_codecs import CodecCache, typed_data_type
-from nvdcp.gpu.pinned import PinnedPool, device_address
+from nvdcp.gpu.pinned import PinnedPool
 from nvdcp.pipeline.cpu import EncodedItem, layout_codec_ids
 from nvdcp.pipeline.delta import DeltaInput
 from nvdcp.pipeline.policy import Layout
@@ -241,104 +234,6 @@ class _KernelSplit:
             if slots.is_cuda:
                 table = table.pin_memory().to(slots.device, non_blocking=True)
             split_rows(table, p, int(counts.max()))
-
-
-def _delta_kernel_splits(slots: torch.Tensor) -> bool:
-    """Whether :class:`_DeltaKernelSplit` runs here: as :func:`_kernel_splits`, and
-    ``NVDCP_GPU_DELTA_SPLIT`` not ``0`` (the encoder then differences, keeps and splits with
-    torch calls per run or segment)."""
-    return _kernel_splits(slots) and os.environ.get("NVDCP_GPU_DELTA_SPLIT", "1") != "0"
-
-
-def _bases_read_mapped() -> bool:
-    """``NVDCP_GPU_DELTA_SPLIT=mapped``: the delta split reads host bases over PCIe from the
-    SMs (made bf16 delta saves 10-15% slower on the H100) instead of uploading them first."""
-    return os.environ.get("NVDCP_GPU_DELTA_SPLIT") == "mapped"
-
-
-class _DeltaKernelSplit:
-    """A bucket's segments with a base or bytes to keep, each differenced from its base, kept
-    and split into its slots in one pass (:func:`~nvdcp.gpu.merge.delta_split_rows`), one
-    launch per element size, delta kind and keep: the kernel reads each tensor and its base and
-    writes its kept bytes by address, host memory included where it is page-locked and mapped
-    (the host cache's arenas). Bases in host memory go up first, by the copy engine, into one
-    buffer per bucket: the SMs reading them over PCIe made delta saves slower
-    (:func:`_bases_read_mapped`). Replaces :func:`split_run`'s concatenation, difference,
-    zigzag, copies of the kept bytes and transposed copy per run, and the per-segment torch
-    calls: a delta save's encode thread, the critical path, took about twice a full save's
-    (H100, fp32 reference state, delta_bench_2026-12-06_h100_session25_trace.json)."""
-
-    def __init__(self, chunk_bytes: int, device: torch.device) -> None:
-        self.c, self.device = chunk_bytes, device
-        self.mapped = _bases_read_mapped()
-        #: per (element size, delta kind or None, keep): one row of addresses per segment
-        self.by_key: dict[tuple[int, int | None, bool], list[list[int]]] = {}
-        #: host bases to upload: (the segment's row, element size, its base bytes); their
-        #: address is set at run()
-        self.uploads: list[tuple[list[int], int, torch.Tensor]] = []
-
-    def add(self, job: GpuJob, seg: _Segment) -> bool:
-        """Queue ``seg`` of ``job``; False when the kernel cannot take it (its bytes are not
-        byte planes of its elements, or its base or keep is memory the device cannot reach)."""
-        p = job.n_planes
-        if (not seg.n_blocks or p not in DELTA_SPLIT_SIZES or p != job.dtype.itemsize
-                or (p > 1 and job.layout.transform != TRANSFORM_BYTEPLANES)):
-            return False
-        base = job.delta.base if job.delta is not None else None
-        upload = base is not None and base.device.type == "cpu" and self.device.type == "cuda" and not self.mapped
-        base_at = 0 if base is None or upload else device_address(base, self.device)
-        keep_at = device_address(job.keep, self.device) if job.keep is not None else 0
-        src = job.data.data_ptr()
-        if base_at is None or keep_at is None or (src | base_at | keep_at) % p:
-            return False
-        kind = delta_transform.kind_for(job.dtype) if base is not None else None
-        row = [src, job.elements, seg.first_block, seg.n_blocks, seg.first_slot, base_at, keep_at]
-        if upload:
-            assert base is not None
-            lo = seg.first_block * self.c * p
-            self.uploads.append((row, p, base[lo : min(job.nbytes, lo + seg.n_blocks * self.c * p)]))
-        self.by_key.setdefault((p, kind, job.keep is not None), []).append(row)
-        return True
-
-    def _upload_bases(self) -> torch.Tensor | None:
-        """Copy the host bases up into one device buffer (one copy per stretch that lies back to
-        back in the host cache, by the copy engine, on the current stream, before the kernel
-        reads them and writes the kept bytes, which may go to the same host memory); each row
-        then addresses its copy. The buffer must live until the launches are queued."""
-        if not self.uploads:
-            return None
-        sizes = [part.numel() for _, _, part in self.uploads]
-        starts = np.concatenate(([0], np.cumsum(sizes)))
-        staged = torch.empty(int(starts[-1]), dtype=torch.uint8, device=self.device)
-        copy_pairs([staged[a:b] for a, b in zip(starts[:-1].tolist(), starts[1:].tolist())],
-                   [part for _, _, part in self.uploads])
-        for (row, p, _), at in zip(self.uploads, starts[:-1].tolist()):
-            row[5] = staged.data_ptr() + at - row[2] * self.c * p  # row[2]: the segment's first block
-        return staged
-
-    def run(self, slots: torch.Tensor) -> None:
-        """Queue the launches on the current stream (tables from pinned memory, as
-        :meth:`_KernelSplit.run`)."""
-        c, first_row = self.c, slots.data_ptr()
-        staged = self._upload_bases()  # noqa: F841 - held until the launches are queued
-        for (p, kind, keep), cols in self.by_key.items():
-            src, m, first_block, n_blocks, first_slot, base_at, keep_at = np.asarray(cols, dtype=np.int64).T
-            seg_of = np.repeat(np.arange(len(cols)), n_blocks)
-            b = np.arange(len(seg_of), dtype=np.int64) - np.repeat(np.cumsum(n_blocks) - n_blocks, n_blocks)
-            block = first_block[seg_of] + b
-            offset = block * (c * p)  # the block's first byte in the tensor, its base and its keep
-            counts = np.minimum(c, m[seg_of] - block * c)
-            rows = first_slot[seg_of] + b * p
-            table = np.empty((len(seg_of), 4 + p), dtype=np.int64)
-            table[:, 0] = src[seg_of] + offset
-            table[:, 1] = counts
-            table[:, 2] = np.where(base_at[seg_of] != 0, base_at[seg_of] + offset, 0)
-            table[:, 3] = np.where(keep_at[seg_of] != 0, keep_at[seg_of] + offset, 0)
-            table[:, 4:] = first_row + (rows[:, None] + np.arange(p, dtype=np.int64)) * c
-            t = torch.from_numpy(table)
-            if slots.is_cuda:
-                t = t.pin_memory().to(slots.device, non_blocking=True)
-            delta_split_rows(t, p, kind, keep, int(counts.max()))
 
 
 def split_run(run: list[tuple[GpuJob, int]], slots: torch.Tensor, chunk_bytes: int,
@@ -698,18 +593,14 @@ class GpuEncoder:
         c = self.chunk_bytes
         small: dict[tuple[int, int, int], tuple[list[torch.Tensor], list[int]]] = {}
         kernel = _KernelSplit(c) if _kernel_splits(slots) else None
-        fused = _DeltaKernelSplit(c, slots.device) if _delta_kernel_splits(slots) else None
-        taken = {i for i, seg in enumerate(bucket.segments)
-                 if fused is not None and (jobs[seg.job].delta is not None or jobs[seg.job].keep is not None)
-                 and fused.add(jobs[seg.job], seg)}
-        for run in self._runs(jobs, bucket, taken):
+        for run in self._runs(jobs, bucket):
             split_run(run, slots, c, self.keep_stream)
-        for i, seg in enumerate(bucket.segments):
+        for seg in bucket.segments:
             job = jobs[seg.job]
             p, m = job.n_planes, job.elements
             whole = seg.first_block == 0 and seg.n_blocks * c >= m  # the segment holds all of it
-            if i in taken or _runnable(job, seg, c):
-                continue  # written by the fused split, or by its run
+            if _runnable(job, seg, c):
+                continue  # written by its run
             if kernel is not None and kernel.takes(job):
                 kernel.add(job, seg)
                 continue
@@ -746,13 +637,9 @@ class GpuEncoder:
             split_small_tensors(sources, first_slots, p, m, slots, blocks)
         if kernel is not None:
             kernel.run(slots)
-        if fused is not None:
-            fused.run(slots)
 
-    def _runs(self, jobs: list[GpuJob], bucket: _Bucket, taken: set[int] | None = None,
-              ) -> Iterator[list[tuple[GpuJob, int]]]:
-        """The bucket's runs for :func:`split_run`: its runnable jobs (:func:`_runnable`; not the
-        segments, by index, that ``taken`` names: the fused split's) grouped
+    def _runs(self, jobs: list[GpuJob], bucket: _Bucket) -> Iterator[list[tuple[GpuJob, int]]]:
+        """The bucket's runs for :func:`split_run`: its runnable jobs (:func:`_runnable`) grouped
         by dtype, transform and whether they have a base, each with its first slot, in bucket
         order. The concatenation is a temporary: runs with a base hold at most
         ``DELTA_RUN_BYTES`` (the bucket's budget counts two temporaries per delta block), the
@@ -760,9 +647,9 @@ class GpuEncoder:
         c = self.chunk_bytes
         runs: dict[tuple[torch.dtype, int, bool], list[tuple[GpuJob, int]]] = {}
         sizes: dict[tuple[torch.dtype, int, bool], int] = {}
-        for i, seg in enumerate(bucket.segments):
+        for seg in bucket.segments:
             job = jobs[seg.job]
-            if (taken and i in taken) or not _runnable(job, seg, c):
+            if not _runnable(job, seg, c):
                 continue
             key = (job.dtype, job.layout.transform, job.delta is not None)
             cap = DELTA_RUN_BYTES if job.delta is not None else SMALL_SPLIT_BYTES

@@ -6,47 +6,9 @@ owns one, and readers share :func:`shared_pool` per limit. :func:`nvdcp.release_
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import threading
-from typing import Any
 
 import torch
-
-#: ``CU_POINTER_ATTRIBUTE_DEVICE_POINTER`` of the CUDA driver API.
-_DEVICE_POINTER = 3  # (1: the context, 2: the memory type)
-
-
-@functools.cache
-def _pointer_attribute() -> Any:
-    """The driver's ``cuPointerGetAttribute``, or None without a loadable driver."""
-    try:
-        fn = ctypes.CDLL("libcuda.so.1").cuPointerGetAttribute
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def device_address(tensor: torch.Tensor, device: torch.device) -> int | None:
-    """The address through which a kernel on ``device`` reads and writes ``tensor``'s memory:
-    its own on that device; for page-locked host memory mapped into the device's address space
-    (what ``pin_memory`` allocates, on systems with unified addressing) the mapped address, as
-    the CUDA driver reports it for the thread's current context; None when such a kernel cannot
-    reach it (pageable host memory, another device). On the CPU (Triton's interpreter, tests)
-    host memory is its own address."""
-    if tensor.device == device:
-        return tensor.data_ptr()
-    if tensor.device.type != "cpu" or device.type != "cuda" or not tensor.numel():
-        return None
-    fn = _pointer_attribute()
-    if fn is None:
-        return None
-    out = ctypes.c_uint64(0)
-    if fn(ctypes.byref(out), _DEVICE_POINTER, tensor.data_ptr()) != 0 or not out.value:
-        return None
-    return out.value
 
 
 class PinnedPool:

@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -98,91 +97,3 @@ def test_kernel_split_on_the_host_under_the_interpreter() -> None:
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "split ok" in done.stdout
-
-
-# -- the fused delta split (GpuEncoder._split_planes with _DeltaKernelSplit) ---------------------
-def check_delta_split(device: torch.device, seed: int, c: int, where: str = "pinned") -> None:
-    """A bucket of deltas (kept over their bases, kept elsewhere, kept nowhere), keep-only jobs,
-    a tail, a job over two segments and plain jobs (tests/gpu/test_packing.py's), split on
-    ``device`` with the bases and keeps in ``where`` memory ("pinned" host memory, uploaded
-    first; "pinned-mapped", read over PCIe; "device" memory as the GPU cache holds them;
-    "pageable" host memory, where the kernel cannot write the kept bytes: the torch path then):
-    slots and kept bytes equal the per-segment torch reference's."""
-    from tests.gpu.test_packing import _delta_bucket, _reference_segment
-
-    jobs, bucket, bases = _delta_bucket(seed, c)
-    want = torch.zeros(bucket.slots, c, dtype=torch.uint8)
-    for seg in bucket.segments:
-        _reference_segment(jobs[seg.job], seg, want, c)
-    for job, base in zip(jobs, bases):  # the reference's kept bytes overwrote them
-        if base is not None:
-            job.delta.base.copy_(base)
-    fused = device.type == "cpu" or where != "pageable"
-    if device.type == "cuda":
-        moved: dict[int, torch.Tensor] = {}  # each host arena, once, in the memory asked for
-
-        def home(t: torch.Tensor) -> torch.Tensor:
-            storage = t.untyped_storage()
-            whole = torch.empty(0, dtype=torch.uint8).set_(storage)
-            if storage.data_ptr() not in moved:
-                moved[storage.data_ptr()] = (whole.pin_memory() if where.startswith("pinned") else whole.to(device)
-                                             if where == "device" else whole)
-            at = t.data_ptr() - storage.data_ptr()
-            return moved[storage.data_ptr()][at : at + t.numel()]
-
-        for job in jobs:
-            job.data = job.data.to(device)
-            job.__dict__.pop("flat", None)
-            if job.delta is not None:
-                job.delta.base = home(job.delta.base)
-            if job.keep is not None:
-                job.keep = home(job.keep)
-    encoder = object.__new__(GpuEncoder)
-    encoder.chunk_bytes = c
-    encoder.keep_stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[assignment]
-    runs = []
-    original_run = encoder_module.split_run
-
-    def counted_run(run: Any, *args: Any) -> None:
-        runs.append(run)
-        original_run(run, *args)
-
-    encoder_module.split_run = counted_run  # type: ignore[assignment]
-    before = os.environ.get("NVDCP_GPU_DELTA_SPLIT")
-    os.environ["NVDCP_GPU_DELTA_SPLIT"] = "mapped" if where == "pinned-mapped" else "1"
-    try:
-        slots = torch.zeros(bucket.slots, c, dtype=torch.uint8, device=device)
-        encoder._split_planes(jobs, bucket, slots)
-    finally:
-        encoder_module.split_run = original_run  # type: ignore[assignment]
-        if before is None:
-            os.environ.pop("NVDCP_GPU_DELTA_SPLIT", None)
-        else:
-            os.environ["NVDCP_GPU_DELTA_SPLIT"] = before
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    assert torch.equal(slots.cpu(), want)
-    for job in jobs:
-        if job.keep is not None:
-            assert torch.equal(job.keep.cpu(), job.data.cpu()), job.key
-    assert (not runs) == fused, (where, len(runs))  # the fused split took every delta and keep
-
-
-def test_delta_split_on_the_host_under_the_interpreter() -> None:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "NVDCP_GPU_SPLIT": "1", "NVDCP_GPU_DELTA_SPLIT": "1",
-           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    code = ("import torch; from tests.gpu.test_split_kernel import check_delta_split\n"
-            "for seed in range(2):\n    check_delta_split(torch.device('cpu'), seed, 1024)\nprint('delta split ok')")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "delta split ok" in done.stdout
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("seed", range(2))
-@pytest.mark.parametrize("where", ["pinned", "pinned-mapped", "device", "pageable"])
-def test_delta_split_writes_what_the_torch_path_writes(seed: int, where: str) -> None:
-    pytest.importorskip("triton")
-    check_delta_split(torch.device("cuda", 0), seed, 1024, where)
