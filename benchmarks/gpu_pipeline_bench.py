@@ -13,10 +13,6 @@ and load pipelines against stock DCP on fast storage, in one run.
    loads into GPU tensors (zeroed first). GB/s of state, bit-exactness.
 3. 20,000 tensors of 4 KiB-1 MiB (log-uniform sizes) on the GPU, same writers: GB/s of state and
    microseconds per item.
-4. ``--allocators torch,nvcomp``: the GPU encode probe and "nvdcp default" on the large state once
-   more per setting of ``NVDCP_NVCOMP_ALLOCATOR`` (nvCOMP's temporaries from torch's caching
-   allocators, or nvCOMP's own cudaMalloc/cudaFree), each in a fresh process (the allocators are
-   installed once per process); rows under ``allocators``. Every row names the allocator it ran under.
 
 Without CUDA it runs a smaller CPU version (state on the host, 256 MB / 2,000 tensors; no device
 CRC) as a smoke test. Writes gpu_pipeline_bench_<date>.json under --out (default benchmarks/results/)
@@ -27,12 +23,9 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -48,15 +41,6 @@ from nvdcp.gpu.config import GpuConfig
 
 GB = 1e9
 MiB = 1 << 20
-
-
-def _allocator() -> str | None:
-    """The nvCOMP allocators of this process (None: nvCOMP not used yet)."""
-    try:
-        from nvdcp.gpu.allocator import installed_mode
-    except ImportError:
-        return None
-    return installed_mode()
 
 
 def _sync() -> None:
@@ -201,7 +185,6 @@ class StackSampler:
         return re.sub(r"[_-]?\d+(_\d+)?$", "", name) or name
 
     def _run(self) -> None:
-        import sys
         import threading
 
         me = threading.get_ident()
@@ -325,8 +308,7 @@ def encode_probe(sd: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
             with ThreadPoolExecutor(threads) as pool:
                 run()  # warm: encoders, codecs, pinned buffers
                 t = min(_timed(run) for _ in range(2))
-                row: dict[str, Any] = {"threads": threads, "GB/s": round(raw / t / GB, 2), "s": round(t, 3),
-                                       "allocator": _allocator()}
+                row: dict[str, Any] = {"threads": threads, "GB/s": round(raw / t / GB, 2), "s": round(t, 3)}
                 if threads == 4:
                     _, row["profile"] = _profiled(run, True)
             rows.append(row)
@@ -368,7 +350,7 @@ def save_load(label: str, sd: dict[str, torch.Tensor], root: str, writer: str, r
                "ratio": round(raw / max(stored, 1), 3), "save_s": round(save_s, 3), "load_s": round(load_s, 3),
                "save_GB/s": round(raw / save_s / GB, 2), "load_GB/s": round(raw / load_s / GB, 2),
                "save_us/item": round(save_s / len(sd) * 1e6, 1), "load_us/item": round(load_s / len(sd) * 1e6, 1),
-               "bit_exact": exact, "allocator": _allocator(), "files": _data_files(path)}
+               "bit_exact": exact, "files": _data_files(path)}
         for name, obj in (("save_phases", getattr(w, "last_report", None)), ("load_phases", getattr(r, "last_report", None))):
             phases = getattr(obj, "phases", None)
             if phases:
@@ -386,36 +368,6 @@ def _data_files(path: str) -> int:
     return sum(n.endswith(".nvdcp") for n in os.listdir(path)) if os.path.isdir(path) else 0
 
 
-def allocator_runs(args: argparse.Namespace, modes: list[str]) -> list[dict[str, Any]]:
-    """This benchmark's large-state part ("nvdcp default" and the encode probe) once per
-    allocator setting, each in a fresh process with NVDCP_NVCOMP_ALLOCATOR set."""
-    rows: list[dict[str, Any]] = []
-    for mode in modes:
-        with tempfile.TemporaryDirectory() as out:
-            cmd = [sys.executable, "-m", "benchmarks.gpu_pipeline_bench", "--skip", "crc,files,small",
-                   "--writers", "nvdcp default", "--out", out, "--dir", args.dir]
-            if args.big_bytes:
-                cmd += ["--big-bytes", str(args.big_bytes)]
-            if args.small:
-                cmd.append("--small")
-            env = dict(os.environ, NVDCP_NVCOMP_ALLOCATOR=mode)
-            print(f"allocator {mode}: {' '.join(cmd)}", flush=True)
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            print("\n".join(done.stdout.splitlines()[-12:]), flush=True)
-            files = [f for f in os.listdir(out) if f.endswith(".json")]
-            if done.returncode != 0 or not files:
-                rows.append({"requested": mode, "error": done.stderr[-2000:]})
-                continue
-            with open(os.path.join(out, files[0])) as fh:
-                child = json.load(fh)
-            for row in child.get("encode_scaling", []):
-                row.pop("profile", None)
-                rows.append({"requested": mode, "part": "encode only", **row})
-            for row in child.get("save_load", []):
-                rows.append({"requested": mode, "part": "save/load", **row})
-    return rows
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="directory of the JSON result (default benchmarks/results/)")
@@ -426,8 +378,6 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: crc,files,encode,big,small")
     ap.add_argument("--writers", default="nvdcp default,stock t1,stock t4,nvdcp t4",
                     help=f"comma-separated writers of the save/load parts, of: {', '.join(WRITERS)}")
-    ap.add_argument("--allocators", default="",
-                    help="comma-separated NVDCP_NVCOMP_ALLOCATOR settings (torch,nvcomp) to compare, one subprocess each")
     ap.add_argument("--profile", action="store_true",
                     help="one more run per nvdcp writer and state under a stack sampler (save_profile, load_profile)")
     args = ap.parse_args()
@@ -476,13 +426,7 @@ def main() -> None:
     if rows:
         print(markdown_table(rows, ["state", "writer", "run", "items", "GB_state", "ratio", "save_s", "load_s",
                                     "save_GB/s", "load_GB/s", "save_us/item", "load_us/item", "bit_exact",
-                                    "allocator", "files"]))
-    result["allocator"] = _allocator()
-    modes = [m.strip() for m in args.allocators.split(",") if m.strip()]
-    if modes and on_gpu:
-        result["allocators"] = allocator_runs(args, modes)
-        print(markdown_table(result["allocators"], ["requested", "allocator", "part", "threads", "writer", "run",
-                                                    "GB/s", "save_s", "save_GB/s", "load_GB/s", "bit_exact", "files"]))
+                                    "files"]))
     path = write_results("gpu_pipeline_bench", result, args.out)
     print(f"wrote {path}")
 

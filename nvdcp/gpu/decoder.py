@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import nvidia.nvcomp as nv
 import torch
 
 from nvdcp.codecs import codec_name
@@ -42,9 +41,9 @@ from nvdcp.format.crc import checksum_ranges
 from nvdcp.format.dtypes import code_dtype
 from nvdcp.format.header import MAX_PLANES, TRANSFORM_BYTEPLANES, ItemHeader
 from nvdcp.gpu import crc32c
-from nvdcp.gpu.allocator import install_allocator
 from nvdcp.gpu.columns import RecordColumns
 from nvdcp.gpu.merge import PLANE_COUNTS, merge_available, merge_rows
+from nvdcp.gpu.nvcomp_batch import BatchResult, NvcompCallError
 from nvdcp.gpu.nvcomp_codecs import CodecCache, typed_data_type
 from nvdcp.gpu.pinned import PinnedPool
 from nvdcp.pipeline.cpu_batch import copy_ranges
@@ -184,8 +183,7 @@ class _Pass:
     up: torch.Tensor | None = None
     bad: torch.Tensor | None = None  # pinned host copy of the device check: [mismatches, first slot]
     checked: Any = None  # event recorded after the upload and its check
-    decoded: list[tuple[str, np.ndarray, Any]] = field(default_factory=list)  # nvCOMP results to check
-    keep: list[Any] = field(default_factory=list)  # nvCOMP arrays alive until their decode is checked
+    decoded: list[tuple[str, np.ndarray, BatchResult]] = field(default_factory=list)  # nvCOMP results to check
     # the fused layout (device check and merge kernel): a device buffer per pass holding the
     # uploaded slots and the tables that came with them, and one for nvCOMP's output slots
     dev: torch.Tensor | None = None
@@ -223,10 +221,6 @@ class GpuDecoder:
                  pinned_bytes: int = 512 << 20, pinned: PinnedPool | None = None) -> None:
         self.device = device
         self._cuda = device.type == "cuda"
-        if self._cuda:
-            # nvCOMP's temporaries from caching allocators: its default cudaFree/cudaFreeHost
-            # synchronize the whole device, serializing the decoders of all threads.
-            install_allocator(device)
         #: Pinned staging buffers (the reader passes a pool its decoders share).
         self.pinned = pinned if pinned is not None else PinnedPool(pinned_bytes)
         # Up to three passes hold device memory at once (one staged, one checked, one decoding;
@@ -675,8 +669,7 @@ class GpuDecoder:
     def _codec_cache(self, chunk_bytes: int) -> CodecCache:
         cache = self.codecs.get(chunk_bytes)
         if cache is None:
-            cache = self.codecs[chunk_bytes] = CodecCache(self.device.index or 0, self.stream, chunk_bytes,
-                                                          self.gdeflate_type)
+            cache = self.codecs[chunk_bytes] = CodecCache(chunk_bytes, self.gdeflate_type)
         return cache
 
     def _decode_groups(self, p: _Pass, src_buf: torch.Tensor, dst_buf: torch.Tensor) -> None:
@@ -684,16 +677,13 @@ class GpuDecoder:
         (flat, slot ``k`` at ``k * stride`` in both)."""
         cache = self._codec_cache(p.chunk_bytes)
         for (name, data_type), ks in p.groups.items():
-            codec, _cap = cache.get(name, data_type)
-            starts = (ks * p.stride).tolist()
-            src = nv.as_arrays(src_buf, starts, p.stored[ks].tolist(), cuda_stream=self.stream.cuda_stream)
-            dst = nv.as_arrays(dst_buf, starts, p.raw[ks].tolist(), cuda_stream=self.stream.cuda_stream)
+            starts = ks * p.stride
             try:
-                result = codec.decode(src, out=dst)
-            except Exception as exc:  # nvCOMP reports bad streams as RuntimeError/ValueError
+                result = cache.get(name, data_type).decompress(src_buf, starts, p.stored[ks], dst_buf, starts,
+                                                               p.raw[ks], self.stream)
+            except NvcompCallError as exc:  # refused at launch (a stream's own faults come back per chunk)
                 raise CorruptCheckpointError(f"{p.owners.all()}: nvCOMP {name} decode failed: {exc}") from exc
             p.decoded.append((name, ks, result))
-            p.keep += [src, dst]
 
     def _decode(self, p: _Pass) -> None:
         if self.fused:
@@ -728,16 +718,17 @@ class GpuDecoder:
     def _check_decoded(self, p: _Pass) -> None:
         """nvCOMP's output sizes for the pass (waits for its decode)."""
         for name, ks, result in p.decoded:
-            try:
-                got = np.asarray(result.buffer_sizes, dtype=np.int64)
-            except Exception as exc:
-                raise CorruptCheckpointError(f"{p.owners.all()}: nvCOMP {name} decode failed: {exc}") from exc
+            got = result.sizes()
+            failed = result.failed()
+            if len(failed):
+                where, i, _ = p.owners.where(int(ks[failed[0]]))
+                raise CorruptCheckpointError(f"{where}: chunk {i}: nvCOMP {name} decode failed on the GPU: "
+                                             f"{result.status_text(int(failed[0]))}")
             bad = np.flatnonzero(got != p.raw[ks])
             if len(bad):
                 where, i, _ = p.owners.where(int(ks[bad[0]]))
                 raise CorruptCheckpointError(f"{where}: chunk {i}: a {name} chunk decoded to the wrong size on the GPU")
         p.decoded.clear()
-        p.keep.clear()
 
 
 def _slot_stride(chunk_bytes: int) -> int:

@@ -36,8 +36,8 @@ from nvdcp.format.crc import checksum_ranges
 from nvdcp.format.header import TRANSFORM_BYTEPLANES, ChunkTable, ItemHeader
 from nvdcp.format.header_batch import HeaderFields, header_layout, header_of, pack_headers_into
 from nvdcp.gpu import crc32c
-from nvdcp.gpu.allocator import install_allocator
 from nvdcp.gpu.merge import PLANE_COUNTS, merge_table, split_available, split_rows
+from nvdcp.gpu.nvcomp_batch import BatchResult, NvcompCallError
 from nvdcp.gpu.nvcomp_codecs import CodecCache, typed_data_type
 from nvdcp.gpu.pinned import PinnedPool
 from nvdcp.pipeline.cpu import EncodedItem, layout_codec_ids
@@ -381,7 +381,7 @@ class _Group:
     ids: np.ndarray  # slot ids
     base: int  # byte offset of its output slots in the arena
     cap: int  # output slot stride: nvCOMP's bound for one chunk, rounded up to the granule
-    result: Any = None  # nvCOMP's encode result (compressed sizes)
+    result: BatchResult | None = None  # nvCOMP's compressed sizes and statuses
 
 
 @dataclass
@@ -479,7 +479,6 @@ class GpuEncoder:
 
     def __init__(self, device: torch.device, *, chunk_bytes: int, budget_bytes: int,
                  gdeflate_type: int, pinned_bytes: int = 512 << 20, pinned: PinnedPool | None = None) -> None:
-        install_allocator(device)  # nvCOMP's temporaries from caching allocators (no cudaFree syncs)
         self.device = device
         #: Pinned buffers of :meth:`encode` (one bucket at a time); shared with the owner's other encoders.
         self.pinned = pinned if pinned is not None else PinnedPool(pinned_bytes)
@@ -495,7 +494,7 @@ class GpuEncoder:
         self.streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
         #: copies of kept bytes to the host cache (delta policies), off the compression's streams
         self.keep_stream = torch.cuda.Stream(device)
-        self.codecs = [CodecCache(device.index or 0, s, chunk_bytes, gdeflate_type) for s in self.streams]
+        self.codecs = CodecCache(chunk_bytes, gdeflate_type)
         #: chunk checksums on the device (the Triton kernel) rather than on the host after the copy
         self.device_crc = crc32c.device_crc_available()
 
@@ -664,14 +663,12 @@ class GpuEncoder:
         yield from (run for run in runs.values() if run)
 
     def _launch(self, jobs: list[GpuJob], bucket: _Bucket, parity: int) -> _Launched:
-        import nvidia.nvcomp as nv  # here, not at import: the packing helpers above run without it
-
         stream = self.streams[parity]
         c, g = self.chunk_bytes, self.granule
         raw_sizes, slot_key, keys = self._slot_table(jobs, bucket)
         groups, end = [], bucket.slots * c
         for kid, (name, data_type) in enumerate(keys):
-            _, cap = self.codecs[parity].get(name, data_type)
+            cap = self.codecs.get(name, data_type).max_output
             ids = np.flatnonzero(slot_key == kid)
             base = -(-end // MAX_GRANULE) * MAX_GRANULE  # nvCOMP's outputs start aligned, whatever c is
             groups.append(_Group(ids, base, -(-cap // g) * g))
@@ -685,11 +682,9 @@ class GpuEncoder:
             arena[bucket.slots * c :].zero_()
             self._split_planes(jobs, bucket, slots)
             for grp, (name, data_type) in zip(groups, keys):
-                codec, cap = self.codecs[parity].get(name, data_type)
-                src = nv.as_arrays(arena, (grp.ids * c).tolist(), raw_sizes[grp.ids].tolist(), cuda_stream=stream.cuda_stream)
-                out_offsets = range(grp.base, grp.base + len(grp.ids) * grp.cap, grp.cap)
-                dst = nv.as_arrays(arena, list(out_offsets), [cap] * len(grp.ids), cuda_stream=stream.cuda_stream)
-                grp.result = codec.encode(src, out=dst)
+                out_offsets = grp.base + np.arange(len(grp.ids), dtype=np.int64) * grp.cap
+                grp.result = self.codecs.get(name, data_type).compress(
+                    arena, grp.ids * c, raw_sizes[grp.ids], arena, out_offsets, stream)
             encoded = torch.cuda.Event()
             encoded.record(stream)
         return _Launched(bucket, stream, arena, raw_sizes, groups, encoded)
@@ -700,9 +695,15 @@ class GpuEncoder:
         stored = launched.raw_sizes.copy()
         src_offsets = np.arange(len(stored), dtype=np.int64) * c
         if launched.encoded is not None and launched.groups:
-            launched.encoded.synchronize()  # waits with the GIL released (nvCOMP's sizes below may hold it)
+            launched.encoded.synchronize()  # the sizes' copies came before it on the stream
         for grp in launched.groups:
-            sizes = np.asarray(grp.result.buffer_sizes, dtype=np.int64)  # waits for this encode only
+            result = grp.result
+            assert result is not None
+            sizes = result.sizes()
+            failed = result.failed()
+            if len(failed):
+                raise NvcompCallError(f"nvCOMP could not compress slot {int(grp.ids[failed[0]])} of a bucket "
+                                      f"({len(failed)} chunks failed): {result.status_text(int(failed[0]))}")
             used = sizes < launched.raw_sizes[grp.ids]  # compression paid: keep it
             stored[grp.ids[used]] = sizes[used]
             src_offsets[grp.ids[used]] = grp.base + np.flatnonzero(used) * grp.cap

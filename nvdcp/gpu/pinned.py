@@ -74,13 +74,9 @@ def shared_pool(limit: int) -> PinnedPool:
 
 
 def close_shared_pools() -> None:
-    """Trim and forget every shared pool, and drop nvCOMP's idle pinned blocks
-    (:data:`nvdcp.gpu.allocator.PINNED_CACHE`)."""
+    """Trim and forget every shared pool."""
     with _SHARED_LOCK:
         pools = list(_SHARED.values())
         _SHARED.clear()
     for pool in pools:
         pool.close()
-    from nvdcp.gpu.allocator import PINNED_CACHE
-
-    PINNED_CACHE.trim()

@@ -175,4 +175,4 @@ def test_nvcomp_codecs_use_the_registry() -> None:
     assert [t("bitcomp", d) for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8)] \
         == ["<f2", "<f2", "<f4", "<f8", "|u1"]
     with pytest.raises(ValueError, match="does not run through nvCOMP"):
-        nvcomp_codecs.make_codec("none", None, 0, 0, 65536, 0)
+        nvcomp_codecs.CodecCache(65536, 0).get("none", None)

@@ -1,5 +1,5 @@
 """Runs :class:`nvdcp.gpu.decoder.GpuDecoder`'s pass logic on CPU tensors: the Triton kernels
-(device CRC32C, plane merge) under ``TRITON_INTERPRET=1``, nvCOMP replaced by the CPU codecs.
+(device CRC32C, plane merge) under ``TRITON_INTERPRET=1``, nvCOMP's batched calls replaced by the CPU codecs.
 Started by tests/gpu/test_decoder_host.py in a subprocess (the interpreter must be chosen before
 Triton compiles anything); exits non-zero on a failed check.
 
@@ -9,54 +9,52 @@ Triton compiles anything); exits non-zero on a failed check.
 from __future__ import annotations
 
 import sys
-import types
 from typing import Any
 
 import numpy as np
 import torch
 
 
-def _fake_nvcomp() -> None:
-    fake = types.ModuleType("nvidia.nvcomp")
+class _FakeResult:
+    def __init__(self, sizes: list[int]) -> None:
+        self._sizes = np.asarray(sizes, dtype=np.int64)
 
-    def as_arrays(buf: torch.Tensor, starts: list[int], sizes: list[int], cuda_stream: int = 0) -> list[Any]:
-        assert buf.dim() == 1 and buf.dtype == torch.uint8
-        return [(buf, s, n) for s, n in zip(starts, sizes)]
+    def sizes(self) -> np.ndarray:
+        return self._sizes
 
-    fake.as_arrays = as_arrays  # type: ignore[attr-defined]
-    try:
-        import nvidia  # noqa: F401
-    except ImportError:
-        sys.modules["nvidia"] = types.ModuleType("nvidia")
-    sys.modules["nvidia.nvcomp"] = fake
-    sys.modules["nvidia"].nvcomp = fake  # type: ignore[attr-defined]
+    def failed(self) -> np.ndarray:
+        return np.zeros(0, dtype=np.int64)
 
 
 class _FakeCodec:
+    """Stands in for :class:`nvdcp.gpu.nvcomp_batch.BatchedCodec`: the CPU codec, chunk by chunk."""
+
     calls = 0
 
     def __init__(self, name: str) -> None:
         self.name = name
 
-    def decode(self, src: list[Any], out: list[Any]) -> Any:
+    def decompress(self, src: torch.Tensor, src_offsets: np.ndarray, sizes: np.ndarray, dst: torch.Tensor,
+                   dst_offsets: np.ndarray, capacities: np.ndarray, stream: Any) -> _FakeResult:
         from nvdcp.codecs import cpu_codec
 
         _FakeCodec.calls += 1
-        sizes = []
-        for (sb, ss, sn), (db, ds, dn) in zip(src, out):
+        assert src.dim() == 1 and src.dtype == torch.uint8 and dst.dim() == 1 and dst.dtype == torch.uint8
+        out = []
+        for ss, sn, ds, dn in zip(src_offsets.tolist(), sizes.tolist(), dst_offsets.tolist(), capacities.tolist()):
             assert ss % 256 == 0 and ds % 256 == 0, "unaligned slot"
-            data = sb[ss : ss + sn].numpy().tobytes()
-            cpu_codec(self.name).decode(data, memoryview(db[ds : ds + dn].numpy()))
-            sizes.append(dn)
-        return types.SimpleNamespace(buffer_sizes=sizes)
+            data = src[ss : ss + sn].numpy().tobytes()
+            cpu_codec(self.name).decode(data, memoryview(dst[ds : ds + dn].numpy()))
+            out.append(dn)
+        return _FakeResult(out)
 
 
 class _FakeCache:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
 
-    def get(self, name: str, data_type: str | None) -> tuple[Any, int]:
-        return _FakeCodec(name), 0
+    def get(self, name: str, data_type: str | None) -> _FakeCodec:
+        return _FakeCodec(name)
 
 
 class _Pool:
@@ -79,7 +77,6 @@ def main() -> None:
         import os
 
         os.environ["NVDCP_GPU_MERGE"] = os.environ["NVDCP_DEVICE_CRC"] = "0"
-    _fake_nvcomp()
     from nvdcp.errors import CorruptCheckpointError
     from nvdcp.format.header import parse_item_header_only
     from nvdcp.gpu import decoder as dec_mod
