@@ -43,7 +43,7 @@ from nvdcp.format.header import MAX_PLANES, TRANSFORM_BYTEPLANES, ItemHeader
 from nvdcp.gpu import crc32c
 from nvdcp.gpu.columns import RecordColumns
 from nvdcp.gpu.merge import PLANE_COUNTS, merge_available, merge_rows
-from nvdcp.gpu.nvcomp_batch import BatchResult, NvcompCallError
+from nvdcp.gpu.nvcomp_batch import WORKSPACES, BatchResult, NvcompCallError
 from nvdcp.gpu.nvcomp_codecs import CodecCache, typed_data_type
 from nvdcp.gpu.pinned import PinnedPool
 from nvdcp.pipeline.cpu_batch import copy_ranges
@@ -416,7 +416,11 @@ class GpuDecoder:
 
     def _run(self, passes: Sequence[Callable[[], _Pass]]) -> None:
         """Stage each pass (``passes[k]()`` reads it into a staging buffer), upload and check it
-        while the host stages the next, then decode it."""
+        while the host stages the next, then decode it (nvCOMP's workspace held throughout)."""
+        with WORKSPACES.held():
+            self._run_passes(passes)
+
+    def _run_passes(self, passes: Sequence[Callable[[], _Pass]]) -> None:
         uploaded: _Pass | None = None  # copied in, its check queued, not decoded yet
         decoding: _Pass | None = None  # decode queued, nvCOMP's sizes not checked yet
         held: list[_Pass] = []

@@ -37,7 +37,7 @@ from nvdcp.format.header import TRANSFORM_BYTEPLANES, ChunkTable, ItemHeader
 from nvdcp.format.header_batch import HeaderFields, header_layout, header_of, pack_headers_into
 from nvdcp.gpu import crc32c
 from nvdcp.gpu.merge import PLANE_COUNTS, merge_table, split_available, split_rows
-from nvdcp.gpu.nvcomp_batch import BatchResult, NvcompCallError
+from nvdcp.gpu.nvcomp_batch import WORKSPACES, BatchResult, NvcompCallError
 from nvdcp.gpu.nvcomp_codecs import CodecCache, typed_data_type
 from nvdcp.gpu.pinned import PinnedPool
 from nvdcp.pipeline.cpu import EncodedItem, layout_codec_ids
@@ -727,13 +727,14 @@ class GpuEncoder:
             for s in self.streams:
                 s.wait_event(ready)
         prev: _Launched | None = None
-        for k, bucket in enumerate(self._plan(jobs, depth)):
-            cur = self._launch(jobs, bucket, k % 2)
+        with WORKSPACES.held():
+            for k, bucket in enumerate(self._plan(jobs, depth)):
+                cur = self._launch(jobs, bucket, k % 2)
+                if prev is not None:
+                    yield self._to_host(prev, sink)
+                prev = cur
             if prev is not None:
                 yield self._to_host(prev, sink)
-            prev = cur
-        if prev is not None:
-            yield self._to_host(prev, sink)
 
     # -- host work -----------------------------------------------------------------------------
     def _bucket_items(self, jobs: list[GpuJob], hb: HostBucket,

@@ -104,12 +104,33 @@ class Workspaces:
     shared by every stream and thread. Calls that use it are ordered on the device (each waits
     for the event of the call before it, on whatever stream that ran), so one buffer serves
     them all: a Zstd call's workspace is 1.07 GiB, and one per stream and encoder thread would
-    keep several of them."""
+    keep several of them.
+
+    The buffer lives while a save or load holds it (:meth:`held`) and is dropped when the last
+    one ends: its memory then stays in torch's allocator cache, so the next save reuses it
+    without a ``cudaMalloc``, while an allocation of the training job that would otherwise run
+    out of memory gets it back (torch frees unused cached blocks and retries)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._buffers: dict[int, torch.Tensor] = {}
         self._last: dict[int, torch.cuda.Event] = {}
+        self._holders = 0
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Keep the workspaces between the calls of the block (one save's or load's); the last
+        holder to leave drops them."""
+        with self._lock:
+            self._holders += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._holders -= 1
+                if self._holders == 0:
+                    self._buffers.clear()
+                    self._last.clear()
 
     @contextlib.contextmanager
     def use(self, device: torch.device, nbytes: int, stream: torch.cuda.Stream) -> Iterator[torch.Tensor | None]:

@@ -245,3 +245,26 @@ def test_concurrent_encoders_agree_with_one() -> None:
         assert records == results[0]
         for key, t in sd.items():
             assert bit_equal(_decoded(records[key], t.dtype), t.cpu()), key
+
+
+@pytest.mark.gpu
+def test_the_workspace_is_dropped_when_the_last_save_or_load_ends() -> None:
+    """Held while an encode runs, dropped when it ends (its memory stays in torch's cache, where
+    the training job's allocations can take it back); a holder inside another keeps it."""
+    from nvdcp.gpu.nvcomp_batch import WORKSPACES
+    from nvdcp.pipeline.config import EncodeConfig
+    from nvdcp.pipeline.encoder import ItemEncoder
+
+    cuda = torch.device("cuda", 0)
+    sd = {"w": weights_like((1024, 512), torch.float32, seed=3).to(cuda)}
+    enc = ItemEncoder(EncodeConfig(codec="zstd"))
+    try:
+        WORKSPACES.release()
+        with WORKSPACES.held():
+            records = _records(enc, sd)
+            assert WORKSPACES.nbytes() > 0  # the encode's own hold ended; this one keeps it
+        assert WORKSPACES.nbytes() == 0
+        assert records == _records(enc, sd) and WORKSPACES.nbytes() == 0
+    finally:
+        enc.close()
+    assert bit_equal(_decoded(records["w"], torch.float32), sd["w"].cpu())
