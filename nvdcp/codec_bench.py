@@ -278,7 +278,7 @@ def run_bench(
     """
     use_gpu = gpu_available() if gpu is None else gpu
     if use_gpu and not gpu_available():
-        raise CodecUnavailableError("--gpu needs CUDA and nvidia-nvcomp-cu12; neither is usable here")
+        raise CodecUnavailableError("--gpu needs CUDA and nvidia-libnvcomp-cu12; neither is usable here")
     wanted = codecs or list(dict.fromkeys([*CPU_CODECS, *(GPU_CODECS if use_gpu else ())]))
     result = BenchResult(source)
     pool = ThreadPoolExecutor(threads or os.cpu_count() or 1, thread_name_prefix="nvdcp-bench")
@@ -294,7 +294,7 @@ def run_bench(
         if use_gpu and codec in GPU_CODECS:
             runners.append(_GpuRunner(codec, pool, chunk_bytes))
         elif codec in GPU_ONLY:
-            result.skipped[f"{codec}@cuda"] = "needs an NVIDIA GPU with nvidia-nvcomp-cu12"
+            result.skipped[f"{codec}@cuda"] = "needs an NVIDIA GPU with nvidia-libnvcomp-cu12"
     try:
         for k, runner in enumerate(runners):
             rows: dict[str, Row] = {}

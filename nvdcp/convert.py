@@ -104,7 +104,7 @@ class ConvertOptions:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.codec in GPU_ONLY and not gpu_available():
             raise CodecUnavailableError(
-                f"codec {self.codec!r} compresses only on an NVIDIA GPU with nvidia-nvcomp-cu12 installed; "
+                f"codec {self.codec!r} compresses only on an NVIDIA GPU with nvidia-libnvcomp-cu12 installed; "
                 "none is usable here"
             )
 

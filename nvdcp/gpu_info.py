@@ -8,8 +8,8 @@ from importlib import metadata
 
 @functools.cache
 def nvcomp_version() -> str | None:
-    """Version of the installed nvCOMP Python wheel, or None."""
-    for dist in ("nvidia-nvcomp-cu12", "nvidia-nvcomp-cu13"):
+    """Version of the installed nvCOMP library wheel (the GPU path calls its C API), or None."""
+    for dist in ("nvidia-libnvcomp-cu12", "nvidia-libnvcomp-cu13", "nvidia-nvcomp-cu12", "nvidia-nvcomp-cu13"):
         try:
             return metadata.version(dist)
         except metadata.PackageNotFoundError:

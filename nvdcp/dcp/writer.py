@@ -180,7 +180,7 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
         codec_threads: CPU threads for compression (default: all cores).
         storage_options: backend options for URLs (see :func:`nvdcp.storage.open_storage`).
         gpu: bounds and choices of the GPU path (:class:`~nvdcp.gpu.config.GpuConfig`); tensors
-            on a CUDA device are compressed there with nvCOMP when ``nvidia-nvcomp-cu12`` is
+            on a CUDA device are compressed there with nvCOMP when ``nvidia-libnvcomp-cu12`` is
             installed, other tensors on the CPU.
         stager: the :class:`~nvdcp.NvcompStager` that ``dcp.async_save`` stages through (you hold
             it and close it); default: the process-wide stager for these settings.

@@ -13,14 +13,19 @@ import torch
 
 
 @functools.cache
-def nvcomp_importable() -> bool:
+def nvcomp_loadable() -> bool:
+    """Whether nvCOMP's library (``libnvcomp.so.6`` of the ``nvidia-libnvcomp-cu12`` wheel, called
+    through its C API: :mod:`nvdcp.gpu.nvcomp_batch`) loads here. Loading it needs no GPU."""
+    from nvdcp.errors import CodecUnavailableError
+    from nvdcp.gpu.nvcomp_batch import library
+
     try:
-        import nvidia.nvcomp  # noqa: F401
-    except ImportError:
+        library()
+    except (CodecUnavailableError, OSError):
         return False
     return True
 
 
 def gpu_available() -> bool:
-    """True when CUDA works here and nvCOMP's Python package is installed."""
-    return torch.cuda.is_available() and nvcomp_importable()
+    """True when CUDA works here and nvCOMP's library loads."""
+    return torch.cuda.is_available() and nvcomp_loadable()

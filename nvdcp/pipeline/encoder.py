@@ -162,7 +162,7 @@ class ItemEncoder:
             if tensor.numel():
                 raise CodecUnavailableError(
                     f"{where}: codec {codec!r} compresses only on an NVIDIA GPU with "
-                    "nvidia-nvcomp-cu12 installed; none is usable here"
+                    "nvidia-libnvcomp-cu12 installed; none is usable here"
                 )
             codec = "none"  # nothing to compress, nothing needs a GPU
         raw = tensor_to_host_bytes(tensor)
