@@ -16,20 +16,26 @@ import torch
 
 
 class _FakeResult:
-    def __init__(self, sizes: list[int]) -> None:
+    def __init__(self, sizes: list[int], failed: list[int]) -> None:
         self._sizes = np.asarray(sizes, dtype=np.int64)
+        self._failed = np.asarray(failed, dtype=np.int64)
 
     def sizes(self) -> np.ndarray:
         return self._sizes
 
     def failed(self) -> np.ndarray:
-        return np.zeros(0, dtype=np.int64)
+        return self._failed
+
+    def status_text(self, chunk: int) -> str:
+        return "status 12 (nvcompErrorCannotDecompress, stand-in)"
 
 
 class _FakeCodec:
     """Stands in for :class:`nvdcp.gpu.nvcomp_batch.BatchedCodec`: the CPU codec, chunk by chunk."""
 
     calls = 0
+    #: set: the batch's chunk of this index reports a failed status (as nvCOMP would on a bad stream)
+    fail_chunk: int | None = None
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -46,7 +52,8 @@ class _FakeCodec:
             data = src[ss : ss + sn].numpy().tobytes()
             cpu_codec(self.name).decode(data, memoryview(dst[ds : ds + dn].numpy()))
             out.append(dn)
-        return _FakeResult(out)
+        failed = [] if _FakeCodec.fail_chunk is None or _FakeCodec.fail_chunk >= len(out) else [_FakeCodec.fail_chunk]
+        return _FakeResult(out, failed)
 
 
 class _FakeCache:
@@ -172,6 +179,20 @@ def main() -> None:
         else:
             raise AssertionError("damaged chunk not caught")
         assert pool.out == 0
+        if codec != "none":  # a chunk nvCOMP reports failed (its status), after a clean checksum
+            _FakeCodec.fail_chunk = 0
+            decoder = dec_mod.GpuDecoder(torch.device("cpu"), budget_bytes=64 << 20, pinned=pool)  # type: ignore[arg-type]
+            header = parse_item_header_only(memoryview(records[key]), key)
+            payload = np.frombuffer(records[key], dtype=np.uint8)[header.header_bytes :]
+            try:
+                decoder.decode_many([dec_mod.DecodeRequest(header, torch.float32, "item f32", payload=payload)])
+            except CorruptCheckpointError as exc:
+                assert "item f32: chunk " in str(exc) and "decode failed on the GPU: status 12" in str(exc), exc
+            else:
+                raise AssertionError("failed status not reported")
+            finally:
+                _FakeCodec.fail_chunk = None
+            assert pool.out == 0
         print(f"{codec}: ok ({_FakeCodec.calls} codec calls)")
 
 
