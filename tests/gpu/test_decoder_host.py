@@ -1,6 +1,7 @@
 """GpuDecoder's pass logic (slot tables, the staging tail, device checksums, the plane-merge
-kernel, passes, damaged chunks and chunks nvCOMP reports failed named) on the CPU: Triton's interpreter runs the kernels on CPU
-tensors and the CPU codecs stand in for nvCOMP (tests/gpu/host_decoder_run.py). Needs triton,
+kernel, passes, damaged chunks and chunks nvCOMP reports failed named) on the CPU: Triton's
+interpreter runs the kernels on CPU tensors and the CPU codecs stand in for nvCOMP's batched
+calls (tests/gpu/host_decoder_run.py). Needs triton,
 no GPU; the real thing runs in the other tests of this directory on the H200."""
 
 from __future__ import annotations
