@@ -240,6 +240,8 @@ class BatchedCodec:
         room for :attr:`max_output` bytes. The compressed sizes come back in the result."""
         n = len(sizes)
         self._check_sizes(sizes)
+        if n == 0:
+            return _no_chunks()
         with torch.cuda.stream(stream):
             table = _device_table(src.device, src.data_ptr() + src_offsets, sizes, dst.data_ptr() + dst_offsets)
             out = torch.empty((2, n), dtype=torch.int64, device=src.device)
@@ -258,6 +260,8 @@ class BatchedCodec:
         ``capacities[i]`` bytes). The decompressed sizes and statuses come back in the result."""
         n = len(sizes)
         self._check_sizes(capacities)
+        if n == 0:
+            return _no_chunks()
         with torch.cuda.stream(stream):
             table = _device_table(src.device, src.data_ptr() + src_offsets, sizes, capacities,
                                   dst.data_ptr() + dst_offsets)
@@ -282,6 +286,17 @@ def _options(algorithm: str, type_code: int, gdeflate_type: int) -> tuple[_Opts,
     if algorithm == "Bitcomp":  # default algorithm, element type, delta 0.0, lossless
         return _Opts.of("<iidi", 0, type_code, 0.0, 0), _Opts.of("")
     return _Opts.of(""), _Opts.of("")  # Zstd: no options in nvCOMP 6
+
+
+class _Done:
+    """An event that has already happened (a call with no chunks queues nothing)."""
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _no_chunks() -> BatchResult:
+    return BatchResult(torch.zeros((2, 0), dtype=torch.int64), _Done(), 0)
 
 
 def _ptr(buffer: torch.Tensor | None) -> int | None:

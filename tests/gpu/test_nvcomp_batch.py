@@ -185,6 +185,16 @@ def test_one_workspace_serves_every_stream_in_turn() -> None:
     assert WORKSPACES.nbytes() == 0
 
 
+def test_a_batch_of_no_chunks_queues_nothing() -> None:
+    pytest.importorskip("nvidia.libnvcomp")
+    codec = BatchedCodec("zstd", None, C)
+    buf = torch.zeros(C, dtype=torch.uint8)
+    none = np.zeros(0, dtype=np.int64)
+    for result in (codec.compress(buf, none, none, buf, none, None),  # type: ignore[arg-type]
+                   codec.decompress(buf, none, none, buf, none, none, None)):  # type: ignore[arg-type]
+        assert result.sizes().tolist() == [] and result.failed().tolist() == []
+
+
 def test_chunks_larger_than_the_codecs_are_refused_before_any_launch() -> None:
     pytest.importorskip("nvidia.libnvcomp")
     codec = BatchedCodec("gdeflate", None, C)
