@@ -20,6 +20,7 @@ caller runs in the background.
 
 from __future__ import annotations
 
+import bisect
 import os
 import queue
 import threading
@@ -392,6 +393,7 @@ class _Launched:
     raw_sizes: np.ndarray  # uncompressed bytes per slot
     groups: list[_Group]
     encoded: torch.cuda.Event | None = None  # recorded after the bucket's encode calls
+    jobs: list[GpuJob] = field(default_factory=list)  # the save's jobs (the bucket's segments index them)
 
 
 class _PooledSink:
@@ -687,7 +689,7 @@ class GpuEncoder:
                     arena, grp.ids * c, raw_sizes[grp.ids], arena, out_offsets, stream)
             encoded = torch.cuda.Event()
             encoded.record(stream)
-        return _Launched(bucket, stream, arena, raw_sizes, groups, encoded)
+        return _Launched(bucket, stream, arena, raw_sizes, groups, encoded, jobs)
 
     def _to_host(self, launched: _Launched, sink: HostSink) -> HostBucket:
         """Pack the bucket's stored chunks on the device and queue their copy into ``sink``'s memory."""
@@ -702,8 +704,9 @@ class GpuEncoder:
             sizes = result.sizes()
             failed = result.failed()
             if len(failed):
-                raise NvcompCallError(f"nvCOMP could not compress slot {int(grp.ids[failed[0]])} of a bucket "
-                                      f"({len(failed)} chunks failed): {result.status_text(int(failed[0]))}")
+                owner = _slot_owner(launched.jobs, launched.bucket, int(grp.ids[failed[0]]))
+                raise NvcompCallError(f"{owner}: nvCOMP could not compress it ({len(failed)} chunks of its bucket "
+                                      f"failed): {result.status_text(int(failed[0]))}")
             used = sizes < launched.raw_sizes[grp.ids]  # compression paid: keep it
             stored[grp.ids[used]] = sizes[used]
             src_offsets[grp.ids[used]] = grp.base + np.flatnonzero(used) * grp.cap
@@ -937,6 +940,14 @@ def _fields(job: GpuJob, chunk_bytes: int) -> HeaderFields:
         chunk_bytes, job.nbytes, delta.base_digest if delta is not None else None,
         delta_transform.kind_for(job.dtype) if delta is not None else 0,
     )
+
+
+def _slot_owner(jobs: list[GpuJob], bucket: _Bucket, slot: int) -> str:
+    """The item and chunk a slot of ``bucket`` holds, for error messages."""
+    firsts = [seg.first_slot for seg in bucket.segments]
+    seg = bucket.segments[max(0, bisect.bisect_right(firsts, slot) - 1)]
+    job = jobs[seg.job]
+    return f"{job.key}: chunk {seg.first_block * job.n_planes + slot - seg.first_slot}"
 
 
 def _run_holding(hb: HostBucket, lo: int, hi: int) -> int | None:

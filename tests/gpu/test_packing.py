@@ -533,3 +533,18 @@ def test_copy_pairs_copies_runs_of_adjacent_pairs_at_once(monkeypatch: pytest.Mo
     for d, s in zip(dsts, srcs):
         assert torch.equal(d, s)
     assert not dst_arena[101:120].any()  # the gap is not written
+
+
+def test_a_failed_slot_is_named_by_its_item_and_chunk() -> None:
+    """An nvCOMP failure in a bucket names the item and its chunk (block-major, planes within)."""
+    from nvdcp.format.header import TRANSFORM_BYTEPLANES
+    from nvdcp.pipeline.policy import Layout
+
+    layout = Layout(TRANSFORM_BYTEPLANES, ("gdeflate", "gdeflate"))
+    jobs = [encoder_module.GpuJob(key, torch.zeros(4096, dtype=torch.bfloat16), layout, torch.bfloat16, 0, (4096,))
+            for key in ("model.a", "model.b")]
+    bucket = encoder_module._Bucket([encoder_module._Segment(0, 0, 2, 0), encoder_module._Segment(1, 3, 1, 4)], 6)
+    owner = encoder_module._slot_owner
+    assert owner(jobs, bucket, 0) == "model.a: chunk 0"
+    assert owner(jobs, bucket, 3) == "model.a: chunk 3"
+    assert owner(jobs, bucket, 5) == "model.b: chunk 7"  # its block 3, plane 1
