@@ -81,6 +81,7 @@ from nvdcp.format.header import (
 )
 from nvdcp.gpu import gpu_available
 from nvdcp.gpu.config import GpuConfig
+from nvdcp.gpu.fold import ChainFolder, fold_available
 from nvdcp.pipeline.cpu import (
     check_crcs,
     check_decodable,
@@ -747,15 +748,16 @@ class NvcompReader(StorageReader):
         """Rebuild a batch's items from their decoded levels: each base item's digest checked
         against what the level above records, then its bytes folded into the top level's
         (differences add up, XORs XOR up: the order does not matter). Runs on the calling thread:
-        a few elementwise kernels per item."""
+        a few kernel launches per level (:class:`~nvdcp.gpu.fold.ChainFolder`; a few elementwise
+        kernels per item and level without Triton)."""
         rebuilt: dict[MetadataIndex, tuple[ItemHeader, torch.Tensor, ItemHeader]] = {}  # top, bytes, last level
+        folder = ChainFolder(kernel=fold_available())
         above_reader = self
         for depth, ((reader, _), results) in enumerate(zip(levels, decoded)):
             for index, header, raw in results:
                 element_size = _element_size(self.expected(index)[0])
                 if depth == 0:
-                    if header.is_delta:
-                        delta_transform.to_difference_torch(raw, header.delta_kind, element_size)
+                    folder.top(raw, header.is_delta, header.delta_kind, element_size)
                     rebuilt[index] = (header, raw, header)
                     continue
                 top, acc, above = rebuilt[index]
@@ -765,9 +767,11 @@ class NvcompReader(StorageReader):
                         f"{reader.where(index)}: delta kind {header.delta_kind} under a delta of kind "
                         f"{top.delta_kind} (nvdcp never mixes them in one item's chain)"
                     )
-                delta_transform.accumulate_torch(acc, raw, top.delta_kind, element_size, header.is_delta)
+                folder.fold(acc, raw, top.delta_kind, element_size, header.is_delta)
                 rebuilt[index] = (top, acc, header)
+            folder.end_level()
             above_reader = reader
+        folder.finish()
         return [(index, top, acc) for index, (top, acc, _) in rebuilt.items()]
 
     def _commit_loaded(self, reqs: list[ReadItem], header: ItemHeader | None, data: Any, planner: LoadPlanner) -> None:

@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 import nvdcp
 from nvdcp.codecs import codec_name
 from nvdcp.dcp import descriptor
+from nvdcp.dcp import reader as reader_module
 from nvdcp.dcp.delta import DeltaSave
 from nvdcp.format.header import parse_item_header
 from nvdcp.gpu.config import GpuConfig
@@ -76,6 +77,15 @@ def test_gpu_delta_chain_loads_bit_exact_on_gpu_and_cpu(tmp_path: Path, cache_by
             assert not deltas
         _load(path, CUDA, expected)
         _load(path, torch.device("cpu"), expected)
+
+
+def test_gpu_delta_chain_loads_the_same_with_the_torch_fold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the fold kernel (no Triton, or NVDCP_GPU_FOLD=0) the levels are folded item by
+    item with torch: the same tensors."""
+    saves = _chain(tmp_path, 4, nvdcp.DeltaPolicy(full_every=4), GpuConfig(gpu_memory_bytes=64 << 20))
+    monkeypatch.setattr(reader_module, "fold_available", lambda: False)
+    for path, expected in saves:
+        _load(path, CUDA, expected)
 
 
 def test_gpu_delta_that_does_not_pay_is_stored_whole(tmp_path: Path) -> None:
