@@ -57,7 +57,7 @@ def _kernel() -> Any:
     import triton.language as tl
 
     @triton.jit
-    def fold_kernel(table_ptr, DT: tl.constexpr, UT: tl.constexpr, TILE: tl.constexpr):
+    def fold_kernel(table_ptr, DT: tl.constexpr, HALF: tl.constexpr, TILE: tl.constexpr):
         row = table_ptr + tl.program_id(1) * 4
         n = tl.load(row + 1)
         j = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
@@ -68,26 +68,27 @@ def _kernel() -> Any:
         acc = tl.load(acc_ptr + j, mask=mask, other=0)
         level = tl.load(level_ptr + j, mask=mask, other=0)
         if (flags & 4) != 0:
-            out = acc ^ level
+            out = (acc ^ level).to(DT)
         else:
-            # zigzag decoding: (z >>> 1) ^ -(z & 1), the shift logical (unsigned)
+            # zigzag decoding, (z >>> 1) ^ -(z & 1): the arithmetic shift's copied sign bit
+            # masked off (no bitwise not or unsigned type: Triton's interpreter makes their
+            # all-ones constants with numpy, which refuses -1 as an unsigned value); .to(DT)
+            # keeps the type if a constant promoted it (the low bits are the same either way)
             if (flags & 1) != 0:
-                u = acc.to(UT, bitcast=True)
-                acc = tl.where((u & 1) != 0, ~(u >> 1), u >> 1).to(DT, bitcast=True)
+                acc = (((acc >> 1) & HALF) ^ (0 - (acc & 1))).to(DT)
             if (flags & 2) != 0:
-                u = level.to(UT, bitcast=True)
-                level = tl.where((u & 1) != 0, ~(u >> 1), u >> 1).to(DT, bitcast=True)
-            out = acc + level  # wraps modulo 2^width, as the encoder's difference did
+                level = (((level >> 1) & HALF) ^ (0 - (level & 1))).to(DT)
+            out = (acc + level).to(DT)  # wraps modulo 2^width, as the encoder's difference did
         tl.store(acc_ptr + j, out, mask=mask)
 
     return fold_kernel
 
 
 @functools.cache
-def _types(width: int) -> tuple[Any, Any]:
+def _int_type(width: int) -> Any:
     import triton.language as tl
 
-    return {1: (tl.int8, tl.uint8), 2: (tl.int16, tl.uint16), 4: (tl.int32, tl.uint32), 8: (tl.int64, tl.uint64)}[width]
+    return {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}[width]
 
 
 @dataclass
@@ -139,12 +140,12 @@ def _launch(groups: list[tuple[tuple[int, int], list[tuple[int, int, int, int]]]
     kernel = _kernel()
     at = 0
     for (width, size_class), rows in groups:
-        dt, ut = _types(width)
+        dt, half = _int_type(width), (1 << (8 * width - 1)) - 1
         for first in range(0, len(rows), MAX_ROWS_PER_LAUNCH):
             count = min(MAX_ROWS_PER_LAUNCH, len(rows) - first)
             part = table[at + first : at + first + count]
             # tiles on the grid's first axis (up to 2^31 - 1), rows on the second (up to 65,535)
-            kernel[(1 << size_class, count)](part, DT=dt, UT=ut, TILE=TILE, num_warps=4)
+            kernel[(1 << size_class, count)](part, DT=dt, HALF=half, TILE=TILE, num_warps=4)
         at += len(rows)
 
 
