@@ -1,0 +1,160 @@
+"""Where a depth-1 delta load's extra time goes, against a full load of the same state (issue 15).
+
+    python -m benchmarks.delta_load_probe [--variant bf16|fp32] [--loads 8] [--device cuda|cpu]
+        [--root /dev/shm/dlp] [--profile] [--out DIR] [--suffix _h100_fold]
+
+State: ``delta_probe``'s synthetic chain (671 MB raw: 160 bf16 or 80 fp32 tensors of 2 M
+elements). Saves a full checkpoint, a delta against it (``DeltaPolicy``) and a full checkpoint of
+the delta's state, then loads the two checkpoints of that state ``--loads`` times each,
+alternating, into the same destination tensors after two untimed rounds, and checks the last
+load bit-exact. Reports the medians, their ratio and each load's report phases (seconds summed
+over threads). ``--profile`` adds, per load kind, a CUDA timeline (copies, kernels and how long
+the GPU was busy, :mod:`benchmarks.cuda_timeline`) and wall-clock stack samples of six loads
+(collapsed stacks, one file per kind, next to the JSON).
+
+Comparing two settings (``NVDCP_GPU_FOLD=0`` against the default, say) means one process per
+setting, alternating, several rounds: these machines are noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import shutil
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+import nvdcp
+from benchmarks.common import write_results
+from benchmarks.delta_probe import chain_states
+
+
+class StackSampler:
+    """Wall-clock samples of every other thread's Python stack, counted as collapsed stacks."""
+
+    def __init__(self, hz: float = 1000.0) -> None:
+        self._period = 1.0 / hz
+        self.counts: collections.Counter[str] = collections.Counter()
+        self._running = False
+        self._thread: threading.Thread | None = None
+
+    def _sample(self) -> None:
+        me = threading.get_ident()
+        names = {t.ident: t.name.split("_")[0][:20] for t in threading.enumerate()}
+        while self._running:
+            for ident, frame in sys._current_frames().items():
+                if ident == me:
+                    continue
+                stack = []
+                f: Any = frame
+                while f is not None:
+                    stack.append(f"{os.path.basename(f.f_code.co_filename)}:{f.f_code.co_name}")
+                    f = f.f_back
+                if ident not in names:
+                    names.update({t.ident: t.name.split("_")[0][:20] for t in threading.enumerate()})
+                self.counts[f"{names.get(ident, '?')};" + ";".join(reversed(stack))] += 1
+            time.sleep(self._period)
+
+    def __enter__(self) -> StackSampler:
+        self._running = True
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._running = False
+        assert self._thread is not None
+        self._thread.join()
+
+    def write(self, path: Path) -> None:
+        path.write_text("".join(f"{stack} {n}\n" for stack, n in self.counts.most_common()))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def probe(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    states = chain_states(args.variant, 2, args.device)
+    root = Path(args.root) / args.variant
+    shutil.rmtree(root, ignore_errors=True)
+    policy = nvdcp.DeltaPolicy(full_every=100)
+    dcp.save(states[0], storage_writer=nvdcp.NvcompWriter(root / "p0", delta=policy), no_dist=True)
+    dcp.save(states[1], storage_writer=nvdcp.NvcompWriter(root / "p1", delta=policy), no_dist=True)
+    dcp.save(states[1], storage_writer=nvdcp.NvcompWriter(root / "f1", on_identical_save="ignore"), no_dist=True)
+    dest = {k: torch.empty_like(v) for k, v in states[1].items()}
+    paths = {"full": root / "f1", "d1": root / "p1"}
+
+    def load(kind: str) -> nvdcp.NvcompReader:
+        reader = nvdcp.NvcompReader(paths[kind])
+        dcp.load(dest, storage_reader=reader, no_dist=True)
+        sync()
+        return reader
+
+    for _ in range(2):
+        load("full")
+        load("d1")
+    times: dict[str, list[float]] = {"full": [], "d1": []}
+    phases: dict[str, dict[str, float]] = {}
+    for _ in range(args.loads):
+        for kind in times:
+            t0 = time.perf_counter()
+            reader = load(kind)
+            times[kind].append(time.perf_counter() - t0)
+            phases[kind] = {k: round(v, 4) for k, v in (reader.last_report.phases if reader.last_report else {}).items()}
+    exact = all(torch.equal(_bits(dest[k]), _bits(states[1][k])) for k in dest)
+    med = {kind: statistics.median(v) for kind, v in times.items()}
+    row: dict[str, Any] = {
+        "variant": args.variant, "seconds": times, "median_s": med, "d1_over_full": med["d1"] / med["full"],
+        "phases": phases, "bit_exact": exact,
+        "bytes": {kind: sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) for kind, path in paths.items()},
+        "fold_kernel": os.environ.get("NVDCP_GPU_FOLD", "1") != "0",
+    }
+    if args.profile:
+        from benchmarks.cuda_timeline import cuda_timeline
+
+        for kind in times:
+            if device.type == "cuda":
+                row[f"timeline_{kind}"] = cuda_timeline(lambda kind=kind: load(kind))
+            with StackSampler() as sampler:
+                for _ in range(6):
+                    load(kind)
+            sampler.write(out_dir / f"delta_load_probe_stacks_{args.variant}_{kind}{args.suffix}.txt")
+    shutil.rmtree(root, ignore_errors=True)
+    return row
+
+
+def main(argv: list[str] | None = None) -> Path:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--variant", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--loads", type=int, default=8)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--root", default="/dev/shm/nvdcp-delta-load-probe")
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--out", default=None)
+    p.add_argument("--suffix", default="")
+    args = p.parse_args(argv)
+    out_dir = Path(args.out) if args.out else Path(__file__).parent / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    row = probe(args, out_dir)
+    med = row["median_s"]
+    print(f"{args.variant} fold_kernel={row['fold_kernel']}: full load {med['full']:.4f} s, depth-1 {med['d1']:.4f} s "
+          f"({row['d1_over_full']:.2f}x); bit-exact {row['bit_exact']}", flush=True)
+    path = write_results("delta_load_probe", {"benchmark": "delta_load_probe", "issue": 15, "device": args.device,
+                                              "rows": [row]}, str(out_dir), args.suffix)
+    print(f"wrote {path}")
+    return path
+
+
+if __name__ == "__main__":
+    main()
