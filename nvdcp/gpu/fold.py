@@ -7,9 +7,9 @@ bytes saved whole (:func:`~nvdcp.transform.delta.accumulate_torch`). In torch th
 eight elementwise kernels and four temporaries per item and level, launched from the thread
 that commits the results: on the H100, loading 160 bf16 tensors of 4 MiB one delta deep, a
 third of that thread's samples and 1,432 GPU operations against a full load's 60. The kernel
-below took 0-7% off such loads and 1.54x -> 1.27-1.41x off the reference model's bf16
-depth-1 loads (docs/BENCHMARKS.md, twenty-seventh session); the rest of a level's cost is its
-reads and host work, as a full load's.
+below took 0-7% off such loads, and the reference model's bf16 depth-1 loads went from 1.54x a
+full load's time to 1.27-1.41x (docs/BENCHMARKS.md, twenty-seventh session); the rest of a
+level's cost is its reads and host work, as for a full load.
 
 Here one Triton kernel folds one level into the accumulated bytes for every item of a batch: a
 table row per item gives the accumulated bytes' address (written in place), the element count,
