@@ -5,9 +5,6 @@ installed) and on a real GPU (``gpu`` marker)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import crc32c as crc32c_pkg
@@ -17,6 +14,7 @@ import torch
 
 from nvdcp.format.crc import checksum_ranges
 from nvdcp.gpu.crc32c import byte_table, reference_ranges, tables
+from tests.gpu.interpreted import run_interpreted
 
 LENGTHS = [0, 1, 2, 3, 4, 5, 7, 8, 31, 63, 64, 65, 255, 256, 257, 511, 512, 513, 1000]
 
@@ -80,10 +78,7 @@ def test_triton_kernel_in_the_interpreter(tile: int) -> None:
     expected[[2, 6]] ^= 0x10  # two ranges whose CRC "does not match"
     case = {"buf": buf.tolist(), "offs": offs.tolist(), "lens": lens, "tile": tile,
             "expected": expected.view(np.int32).tolist()}
-    env = {**os.environ, "TRITON_INTERPRET": "1", "NVDCP_DEVICE_CRC": "1"}
-    ran = subprocess.run([sys.executable, "-c", _INTERPRETED, json.dumps(case)], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert ran.returncode == 0, ran.stderr[-3000:]
+    ran = run_interpreted(["-c", _INTERPRETED, json.dumps(case)], ("NVDCP_DEVICE_CRC",))
     got = json.loads(ran.stdout.strip().splitlines()[-1])
     assert got["crcs"] == want.tolist()
     assert got["bad"] == [2, 2]

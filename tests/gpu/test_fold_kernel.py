@@ -8,19 +8,13 @@ the torch-only folder everywhere."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
 from nvdcp.gpu.fold import TILE, ChainFolder, FoldPlan
 from nvdcp.transform.delta import XOR, ZIGZAG_DIFF, accumulate_torch, to_difference_torch
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.gpu.interpreted import run_interpreted
 
 #: (kind, element size, elements, levels below the top, whether the bottom level is a delta)
 CASES = [
@@ -95,10 +89,7 @@ def test_kernel_fold_gives_the_torch_folds(seed: int) -> None:
 
 def test_kernel_fold_on_the_host_under_the_interpreter() -> None:
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "NVDCP_GPU_FOLD": "1",
-           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     code = ("import torch; from tests.gpu.test_fold_kernel import check_fold\n"
             "for seed in range(2):\n    check_fold(torch.device('cpu'), seed, kernel=True)\nprint('fold ok')")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = run_interpreted(["-c", code], ("NVDCP_GPU_FOLD",))
     assert "fold ok" in done.stdout

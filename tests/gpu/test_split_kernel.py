@@ -7,11 +7,6 @@ interpreter (no GPU needed; skipped without triton, as in CI)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -19,8 +14,7 @@ import torch
 from nvdcp.gpu import encoder as encoder_module
 from nvdcp.gpu.encoder import GpuEncoder, GpuJob, _Bucket, _Segment
 from nvdcp.pipeline.policy import choose_layout
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.gpu.interpreted import run_interpreted
 
 
 def _tensor(rng: np.random.Generator, dtype: torch.dtype, elements: int, device: torch.device, typed: bool) -> torch.Tensor:
@@ -90,10 +84,7 @@ def test_kernel_split_writes_what_the_torch_copies_write(seed: int, c: int) -> N
 
 def test_kernel_split_on_the_host_under_the_interpreter() -> None:
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "NVDCP_GPU_SPLIT": "1",
-           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     code = ("import torch; from tests.gpu.test_split_kernel import check_split\n"
             "for seed in range(2):\n    check_split(torch.device('cpu'), seed, 1024)\nprint('split ok')")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = run_interpreted(["-c", code], ("NVDCP_GPU_SPLIT",))
     assert "split ok" in done.stdout
