@@ -122,7 +122,8 @@ def probe(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
         "variant": args.variant, "seconds": times, "median_s": med, "warm_up_s": first, "d1_over_full": med["d1"] / med["full"],
         "phases": phases, "bit_exact": exact,
         "bytes": {kind: sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) for kind, path in paths.items()},
-        "fold_kernel": os.environ.get("NVDCP_GPU_FOLD", "1") != "0",
+        # the GPU path's chain fold (nvdcp/gpu/fold.py); host loads never use it
+        "fold_kernel": device.type == "cuda" and os.environ.get("NVDCP_GPU_FOLD", "1") != "0",
     }
     if args.profile:
         from benchmarks.cuda_timeline import cuda_timeline
