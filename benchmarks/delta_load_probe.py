@@ -10,8 +10,8 @@ alternating, into the same destination tensors after two rounds kept apart (``wa
 first full and depth-1 loads of the process pay its one-time costs, such as compiling Triton
 kernels when ``TRITON_CACHE_DIR`` is empty), and checks the last load bit-exact. Reports the medians, their ratio and each load's report phases (seconds summed
 over threads). ``--profile`` adds, per load kind, a CUDA timeline (copies, kernels and how long
-the GPU was busy, :mod:`benchmarks.cuda_timeline`) and wall-clock stack samples of six loads
-(collapsed stacks, one file per kind, next to the JSON).
+the GPU was busy, :mod:`benchmarks.cuda_timeline`) and every thread's stack sampled over six
+loads (``gpu_pipeline_bench.StackSampler``'s summary: top lines per thread group).
 
 Comparing two settings (``NVDCP_GPU_FOLD=0`` against the default, say) means one process per
 setting, alternating, several rounds: these machines are noisy.
@@ -20,12 +20,9 @@ setting, alternating, several rounds: these machines are noisy.
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import shutil
 import statistics
-import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -36,54 +33,14 @@ import torch.distributed.checkpoint as dcp
 import nvdcp
 from benchmarks.common import write_results
 from benchmarks.delta_probe import chain_states
-
-
-class StackSampler:
-    """Wall-clock samples of every other thread's Python stack, counted as collapsed stacks."""
-
-    def __init__(self, hz: float = 1000.0) -> None:
-        self._period = 1.0 / hz
-        self.counts: collections.Counter[str] = collections.Counter()
-        self._running = False
-        self._thread: threading.Thread | None = None
-
-    def _sample(self) -> None:
-        me = threading.get_ident()
-        names = {t.ident: t.name.split("_")[0][:20] for t in threading.enumerate()}
-        while self._running:
-            for ident, frame in sys._current_frames().items():
-                if ident == me:
-                    continue
-                stack = []
-                f: Any = frame
-                while f is not None:
-                    stack.append(f"{os.path.basename(f.f_code.co_filename)}:{f.f_code.co_name}")
-                    f = f.f_back
-                if ident not in names:
-                    names.update({t.ident: t.name.split("_")[0][:20] for t in threading.enumerate()})
-                self.counts[f"{names.get(ident, '?')};" + ";".join(reversed(stack))] += 1
-            time.sleep(self._period)
-
-    def __enter__(self) -> StackSampler:
-        self._running = True
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._running = False
-        assert self._thread is not None
-        self._thread.join()
-
-    def write(self, path: Path) -> None:
-        path.write_text("".join(f"{stack} {n}\n" for stack, n in self.counts.most_common()))
+from benchmarks.gpu_pipeline_bench import StackSampler
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
-def probe(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
+def probe(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     states = chain_states(args.variant, 2, args.device)
@@ -134,7 +91,7 @@ def probe(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
             with StackSampler() as sampler:
                 for _ in range(6):
                     load(kind)
-            sampler.write(out_dir / f"delta_load_probe_stacks_{args.variant}_{kind}{args.suffix}.txt")
+            row[f"stacks_{kind}"] = sampler.summary()
     shutil.rmtree(root, ignore_errors=True)
     return row
 
@@ -149,14 +106,12 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--out", default=None)
     p.add_argument("--suffix", default="")
     args = p.parse_args(argv)
-    out_dir = Path(args.out) if args.out else Path(__file__).parent / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    row = probe(args, out_dir)
+    row = probe(args)
     med = row["median_s"]
     print(f"{args.variant} fold_kernel={row['fold_kernel']}: full load {med['full']:.4f} s, depth-1 {med['d1']:.4f} s "
           f"({row['d1_over_full']:.2f}x); bit-exact {row['bit_exact']}", flush=True)
     path = write_results("delta_load_probe", {"benchmark": "delta_load_probe", "issue": 15, "device": args.device,
-                                              "rows": [row]}, str(out_dir), args.suffix)
+                                              "rows": [row]}, args.out, args.suffix)
     print(f"wrote {path}")
     return path
 
