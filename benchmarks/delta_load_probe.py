@@ -1,7 +1,7 @@
 """Where a depth-1 delta load's extra time goes, against a full load of the same state (issue 15).
 
     python -m benchmarks.delta_load_probe [--variant bf16|fp32] [--loads 8] [--device cuda|cpu]
-        [--root /dev/shm/dlp] [--profile] [--out DIR] [--suffix _h100_fold]
+        [--root /dev/shm/dlp] [--profile] [--max-gpu-threads N] [--out DIR] [--suffix _h100_fold]
 
 State: ``delta_probe``'s synthetic chain (671 MB raw: 160 bf16 or 80 fp32 tensors of 2 M
 elements). Saves a full checkpoint, a delta against it (``DeltaPolicy``) and a full checkpoint of
@@ -13,8 +13,9 @@ over threads). ``--profile`` adds, per load kind, a CUDA timeline (copies, kerne
 the GPU was busy, :mod:`benchmarks.cuda_timeline`) and every thread's stack sampled over six
 loads (``gpu_pipeline_bench.StackSampler``'s summary: top lines per thread group).
 
-Comparing two settings (``NVDCP_GPU_FOLD=0`` against the default, say) means one process per
-setting, alternating, several rounds: these machines are noisy.
+Comparing two settings (``NVDCP_GPU_FOLD=0`` against the default, or ``--max-gpu-threads``, which
+sets the reader's ``MAX_GPU_THREADS`` for the process) means one process per setting,
+alternating, several rounds: these machines are noisy.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import nvdcp
+import nvdcp.dcp.reader as reader_module
 from benchmarks.common import write_results
 from benchmarks.delta_probe import chain_states
 from benchmarks.gpu_pipeline_bench import StackSampler
@@ -43,6 +45,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def probe(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    if args.max_gpu_threads:
+        reader_module.MAX_GPU_THREADS = args.max_gpu_threads
     states = chain_states(args.variant, 2, args.device)
     root = Path(args.root) / args.variant
     shutil.rmtree(root, ignore_errors=True)
@@ -81,6 +85,7 @@ def probe(args: argparse.Namespace) -> dict[str, Any]:
         "bytes": {kind: sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) for kind, path in paths.items()},
         # the GPU path's chain fold (nvdcp/gpu/fold.py); host loads never use it
         "fold_kernel": device.type == "cuda" and os.environ.get("NVDCP_GPU_FOLD", "1") != "0",
+        "max_gpu_threads": reader_module.MAX_GPU_THREADS,
     }
     if args.profile:
         from benchmarks.cuda_timeline import cuda_timeline
@@ -103,6 +108,8 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--root", default="/dev/shm/nvdcp-delta-load-probe")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--max-gpu-threads", type=int, default=None,
+                   help="GPU decode batches in flight (the reader's MAX_GPU_THREADS; thread_count still caps it)")
     p.add_argument("--out", default=None)
     p.add_argument("--suffix", default="")
     args = p.parse_args(argv)
