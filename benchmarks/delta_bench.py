@@ -3,7 +3,7 @@ full nvdcp and stock DCP, on the reference GPT's training run.
 
     python -m benchmarks.delta_bench [--device cpu|cuda] [--out DIR] [--root DIR]
         [--intervals 10,100] [--checkpoints 12] [--keep 10] [--ks 4,8,16]
-        [--variants fp32_adamw,bf16_weights] [--batch N] [--warm-steps 100] [--lr-total 10000]
+        [--variants fp32_adamw,bf16_weights] [--batch N] [--warm-steps 100] [--lr-total 10000] [--delta-chunk-kib N]
         [--lr-peak 6e-4] [--stock-saves 3] [--load-repeats N] [--verify-all] [--small] [--suffix _cpu]
 
 Workload: the demo's byte-level GPT (nvdcp/demo/model.py) trained with AdamW on the stdlib's
@@ -110,6 +110,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr-total", type=int, default=10_000, help="length of the LR schedule (lr_at's total)")
     p.add_argument("--lr-peak", type=float, default=6e-4, help="peak learning rate (lr_at's base; the demo's 6e-4)")
     p.add_argument("--min-gain", type=float, default=0.02, help="DeltaPolicy min_gain")
+    p.add_argument("--delta-chunk-kib", type=int, default=None,
+                   help="chunk_bytes (KiB) of the writers with a DeltaPolicy (default: the writer's)")
     p.add_argument("--min-item-bytes", type=int, default=None,
                    help="DeltaPolicy min_item_bytes (default: the policy's, 64 KiB unless $NVDCP_DELTA_MIN_ITEM_BYTES)")
     p.add_argument("--stock-saves", type=int, default=3, help="stock saves per chain (its bytes are constant)")
@@ -307,6 +309,14 @@ def delta_record(path: str) -> dict[str, Any] | None:
     return rec if isinstance(rec, dict) else None
 
 
+def delta_writer_options(args: argparse.Namespace, policy: Any) -> dict[str, Any]:
+    """``NvcompWriter`` keywords of a writer with ``policy`` (none without one): ``chunk_bytes``
+    from ``--delta-chunk-kib`` when given."""
+    if policy is None or args.delta_chunk_kib is None:
+        return {}
+    return {"chunk_bytes": args.delta_chunk_kib << 10}
+
+
 def run_chain(name: str, k: int | None, states: list[tuple[int, dict[str, Any]]], folder: str,
               args: argparse.Namespace) -> Chain:
     chain = Chain(name, k)
@@ -319,7 +329,7 @@ def run_chain(name: str, k: int | None, states: list[tuple[int, dict[str, Any]]]
         if name == "stock":
             writer: Any = dcp.FileSystemWriter(path)
         else:
-            writer = nvdcp.NvcompWriter(path, delta=policy)
+            writer = nvdcp.NvcompWriter(path, delta=policy, **delta_writer_options(args, policy))
         seconds, probe = save_one(state, path, writer, args.device)
         rec = delta_record(path) if name != "stock" else None
         chain.ckpts.append(Ckpt(i, step, path, dir_bytes(path), seconds, int(rec["depth"]) if rec else 0,
@@ -400,9 +410,10 @@ def profile_delta(variant: str, base_state: dict[str, Any], state: dict[str, Any
         policy = nvdcp.DeltaPolicy(full_every=8, min_gain=args.min_gain, min_item_bytes=args.min_item_bytes,
                                    gpu_cache_bytes=_gpu_cache_bytes(args))
         base = os.path.join(folder, f"{attempt}_base")
-        dcp.save(base_state, storage_writer=nvdcp.NvcompWriter(base, delta=policy), no_dist=True)
+        options = delta_writer_options(args, policy)
+        dcp.save(base_state, storage_writer=nvdcp.NvcompWriter(base, delta=policy, **options), no_dist=True)
         delta, full = os.path.join(folder, f"{attempt}_delta"), os.path.join(folder, f"{attempt}_full")
-        writers = (nvdcp.NvcompWriter(delta, delta=policy), nvdcp.NvcompWriter(full))
+        writers = (nvdcp.NvcompWriter(delta, delta=policy, **options), nvdcp.NvcompWriter(full))
         if attempt == "warm":
             for w in writers:
                 dcp.save(state, storage_writer=w, no_dist=True)
@@ -421,10 +432,11 @@ def profile_delta(variant: str, base_state: dict[str, Any], state: dict[str, Any
                                              gpu_cache_bytes=_gpu_cache_bytes(args))
             for i, prior in enumerate(earlier):
                 dcp.save(prior, storage_writer=nvdcp.NvcompWriter(os.path.join(folder, f"trace_{i}"),
-                                                                  delta=trace_policy), no_dist=True)
-            steady = nvdcp.NvcompWriter(os.path.join(folder, "steady_delta"), delta=trace_policy)
+                                                                  delta=trace_policy, **options), no_dist=True)
+            steady = nvdcp.NvcompWriter(os.path.join(folder, "steady_delta"), delta=trace_policy, **options)
             run("steady_delta_save", lambda: dcp.save(base_state, storage_writer=steady, no_dist=True), steady)
-            traced = (("delta_save_trace", nvdcp.NvcompWriter(os.path.join(folder, "trace_delta"), delta=trace_policy)),
+            traced = (("delta_save_trace", nvdcp.NvcompWriter(os.path.join(folder, "trace_delta"), delta=trace_policy,
+                                                              **options)),
                       ("full_save_trace", nvdcp.NvcompWriter(os.path.join(folder, "trace_full"))))
             for label, w in traced:
                 out[label] = cuda_timeline(lambda w=w: dcp.save(state, storage_writer=w, no_dist=True))
@@ -571,7 +583,8 @@ def warm_up(variant: str, state: dict[str, Any], root: str, args: argparse.Names
         if t.is_floating_point() and t.numel():
             t.view(-1)[0] += 1
     for i, s in enumerate((state, nudged)):
-        writer = nvdcp.NvcompWriter(os.path.join(folder, f"d{i}"), delta=policy, on_identical_save="ignore")
+        writer = nvdcp.NvcompWriter(os.path.join(folder, f"d{i}"), delta=policy, on_identical_save="ignore",
+                                    **delta_writer_options(args, policy))
         dcp.save(s, storage_writer=writer, no_dist=True)
     dest = zeros_like_state(nudged)
     dcp.load(dest, storage_reader=nvdcp.NvcompReader(os.path.join(folder, "d1")), no_dist=True)

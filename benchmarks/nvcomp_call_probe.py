@@ -1,10 +1,11 @@
 """What one nvCOMP compress call costs against how many chunks it carries (issue 15: GPU delta saves).
 
-    python -m benchmarks.nvcomp_call_probe [--chunks 64,256,1024,4096] [--saves] [--out DIR] [--suffix _h100]
+    python -m benchmarks.nvcomp_call_probe [--chunks 64,256,1024,4096] [--chunk-kib 64] [--saves]
+        [--out DIR] [--suffix _h100]
 
 Part 1 (always): the top byte plane of the XOR of fp32 / bf16 weights (N(0, 0.02)) with the same
 weights after an update of N(0, step) (step 1e-4 and 1e-5: what a delta's top plane holds, mostly
-zeros), compressed in 64 KiB chunks by one call of nvCOMP's batched Zstd and GDeflate (type 0)
+zeros), compressed in 64 KiB chunks (each size of ``--chunk-kib``) by one call of nvCOMP's batched Zstd and GDeflate (type 0)
 through :class:`nvdcp.gpu.nvcomp_batch.BatchedCodec`, for each chunk count of ``--chunks``: the
 best of three calls (ms, GB/s of input, ratio). Then two calls of 1,024 chunks queued on two
 streams, first sharing the process's one workspace (nvdcp's design: the calls run one after the
@@ -51,11 +52,12 @@ def xor_top_plane(dtype: torch.dtype, n: int, step: float, seed: int = 0) -> tor
 
 
 def time_calls(codec: Any, plane: torch.Tensor, n: int) -> dict[str, float]:
-    """Best of three calls compressing the plane's first ``n`` chunks."""
+    """Best of three calls compressing the plane's first ``n`` chunks (of ``codec.chunk_bytes``)."""
     from nvdcp.gpu.nvcomp_batch import WORKSPACES
 
-    src_off = np.arange(n, dtype=np.int64) * CHUNK
-    sizes = np.full(n, CHUNK, dtype=np.int64)
+    chunk = codec.chunk_bytes
+    src_off = np.arange(n, dtype=np.int64) * chunk
+    sizes = np.full(n, chunk, dtype=np.int64)
     dst = torch.empty(n * codec.max_output, dtype=torch.uint8, device="cuda")
     dst_off = np.arange(n, dtype=np.int64) * codec.max_output
     stream = torch.cuda.Stream()
@@ -68,8 +70,8 @@ def time_calls(codec: Any, plane: torch.Tensor, n: int) -> dict[str, float]:
             out = codec.compress(plane, src_off, sizes, dst, dst_off, stream).sizes()
             times.append(time.perf_counter() - t0)
     t = min(times)
-    return {"chunks": n, "ms": round(t * 1e3, 3), "GBps": round(n * CHUNK / t / 1e9, 2),
-            "ratio": round(n * CHUNK / max(1, int(out.sum())), 2)}
+    return {"chunk_kib": chunk >> 10, "chunks": n, "ms": round(t * 1e3, 3), "GBps": round(n * chunk / t / 1e9, 2),
+            "ratio": round(n * chunk / max(1, int(out.sum())), 2)}
 
 
 def two_streams(plane: torch.Tensor, n: int = 1024) -> dict[str, list[float]]:
@@ -108,19 +110,20 @@ def two_streams(plane: torch.Tensor, n: int = 1024) -> dict[str, list[float]]:
     return out
 
 
-def part_calls(chunks: list[int]) -> list[dict[str, Any]]:
+def part_calls(chunks: list[int], chunk_sizes: list[int]) -> list[dict[str, Any]]:
     from nvdcp.gpu.nvcomp_batch import BatchedCodec
 
     rows = []
     for label, dtype, step in (("fp32 1e-4", torch.float32, 1e-4), ("bf16 1e-4", torch.bfloat16, 1e-4),
                                ("fp32 1e-5", torch.float32, 1e-5)):
-        plane = xor_top_plane(dtype, max(chunks) * CHUNK * torch.empty((), dtype=dtype).element_size(), step)
+        plane = xor_top_plane(dtype, max(chunks) * max(chunk_sizes) * torch.empty((), dtype=dtype).element_size(), step)
         for name in ("zstd", "gdeflate"):
-            codec = BatchedCodec(name, None, CHUNK, 0)
-            for n in chunks:
-                row = {"plane": label, "codec": name, **time_calls(codec, plane, n)}
-                print(row, flush=True)
-                rows.append(row)
+            for size in chunk_sizes:
+                codec = BatchedCodec(name, None, size, 0)
+                for n in chunks:
+                    row = {"plane": label, "codec": name, **time_calls(codec, plane, n)}
+                    print(row, flush=True)
+                    rows.append(row)
         if plane.numel() >= 2048 * CHUNK:
             row = {"plane": label, "codec": "zstd", "two_streams_1024_chunks": two_streams(plane)}
             print(row, flush=True)
@@ -193,6 +196,7 @@ def part_saves() -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> Path:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--chunks", default="64,256,1024,4096", help="chunks per call, comma separated")
+    p.add_argument("--chunk-kib", default="64", help="chunk sizes in KiB (1-64), comma separated")
     p.add_argument("--saves", action="store_true", help="also part 2: the reference model's delta and full saves")
     p.add_argument("--out", default=None)
     p.add_argument("--suffix", default="")
@@ -201,7 +205,8 @@ def main(argv: list[str] | None = None) -> Path:
         raise SystemExit("nvcomp_call_probe needs CUDA")
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     payload: dict[str, Any] = {"benchmark": "nvcomp_call_probe", "issue": 15, "chunk_bytes": CHUNK,
-                               "calls": part_calls(sorted(int(x) for x in args.chunks.split(",") if x))}
+                               "calls": part_calls(sorted(int(x) for x in args.chunks.split(",") if x),
+                                                   [int(x) << 10 for x in args.chunk_kib.split(",") if x])}
     if args.saves:
         payload["saves"] = part_saves()
     path = write_results("nvcomp_call_probe", payload, args.out, args.suffix)
