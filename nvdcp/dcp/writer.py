@@ -49,7 +49,14 @@ from nvdcp.dcp.commit import (
     identity_digests,
     split_results,
 )
-from nvdcp.dcp.delta import DEFAULT_MAX_CHAIN, DeltaPolicy, DeltaSave, SaveRef, resolve_base
+from nvdcp.dcp.delta import (
+    DEFAULT_MAX_CHAIN,
+    DELTA_CHUNK_BYTES,
+    DeltaPolicy,
+    DeltaSave,
+    SaveRef,
+    resolve_base,
+)
 from nvdcp.dcp.durability import PendingCommits
 from nvdcp.dcp.metadata_io import METADATA_NAME
 from nvdcp.dcp.stager import NvcompStager, StagedShard, WriterStagingMixin, release_staged
@@ -176,7 +183,9 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
         codec: ``"auto"`` (per-dtype choice, always decodable without a GPU), or a codec name:
             ``"zstd"``, ``"gdeflate"``, ``"none"`` (raw, still checksummed); ``"ans"`` and
             ``"bitcomp"`` need a GPU to save and to load.
-        chunk_bytes: uncompressed bytes per independently compressed chunk (default 64 KiB).
+        chunk_bytes: uncompressed bytes per independently compressed chunk (1 KiB..64 KiB; default
+            64 KiB, or 32 KiB for a writer that saves deltas, ``delta=`` or ``base=``: see
+            :data:`nvdcp.dcp.delta.DELTA_CHUNK_BYTES`).
         codec_threads: CPU threads for compression (default: all cores).
         storage_options: backend options for URLs (see :func:`nvdcp.storage.open_storage`).
         gpu: bounds and choices of the GPU path (:class:`~nvdcp.gpu.config.GpuConfig`); tensors
@@ -229,7 +238,7 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
         serialization_format: Any = None,
         *,
         codec: str = "auto",
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        chunk_bytes: int | None = None,
         codec_threads: int | None = None,
         storage_options: dict[str, Any] | None = None,
         gpu: GpuConfig | None = None,
@@ -250,6 +259,8 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
                               _extensions, serialization_format)
         if thread_count is not None and thread_count < 1:
             raise ValueError(f"thread_count must be >= 1, got {thread_count}")
+        if chunk_bytes is None:
+            chunk_bytes = DELTA_CHUNK_BYTES if delta is not None or base is not None else DEFAULT_CHUNK_BYTES
         self.encoding = EncodeConfig(codec, chunk_bytes, codec_threads)
         self.gpu = gpu or GpuConfig()
         if encoder is not None and (encoder.config, encoder.gpu) != (self.encoding, self.gpu):

@@ -253,6 +253,37 @@ def test_explicit_base(tmp_path: Path) -> None:
     _load_check(tmp_path / "c", _snapshot(sd))
 
 
+def _chunk_bytes(path: Path, fqn: str) -> int:
+    name, offset, length = item_span(path, fqn)
+    with open(name, "rb") as fh:
+        fh.seek(offset)
+        return parse_item_header(memoryview(fh.read(length)), fqn).chunk_bytes
+
+
+def test_writers_that_save_deltas_default_to_smaller_chunks_and_load_over_any_base(tmp_path: Path) -> None:
+    """A writer with ``base=`` or ``delta=`` writes 32 KiB chunks (DELTA_CHUNK_BYTES), whole
+    saves of a policy included; its deltas rebuild over a base of 64 KiB chunks; an explicit
+    ``chunk_bytes`` wins."""
+    sd = _state()
+    save(sd, tmp_path / "plain")
+    first = _snapshot(sd)
+    _train(sd, 1)
+    save(sd, tmp_path / "delta", base=tmp_path / "plain")
+    assert "w" in _delta_fqns(tmp_path / "delta")
+    assert _chunk_bytes(tmp_path / "plain", "w") == 64 << 10
+    assert _chunk_bytes(tmp_path / "delta", "w") == delta_module.DELTA_CHUNK_BYTES == 32 << 10
+    _load_check(tmp_path / "plain", first)
+    _load_check(tmp_path / "delta", _snapshot(sd))
+
+    policy = nvdcp.DeltaPolicy(full_every=4)
+    save(sd, tmp_path / "whole", delta=policy)
+    assert _record(tmp_path / "whole") is None and _chunk_bytes(tmp_path / "whole", "w") == 32 << 10
+    _train(sd, 2)
+    save(sd, tmp_path / "pinned", delta=policy, chunk_bytes=16 << 10)
+    assert "w" in _delta_fqns(tmp_path / "pinned") and _chunk_bytes(tmp_path / "pinned", "w") == 16 << 10
+    _load_check(tmp_path / "pinned", _snapshot(sd))
+
+
 def test_explicit_base_must_not_be_the_target(tmp_path: Path) -> None:
     sd = _state()
     save(sd, tmp_path / "a")
@@ -364,7 +395,7 @@ def test_delta_that_does_not_pay_is_stored_whole_when_the_base_is_read_back(tmp_
     sd["w"] = weights_like((256, 300), seed=99)
     _train(sd, 2)
     save(sd, tmp_path / "s2", delta=policy)
-    save({"w": sd["w"]}, tmp_path / "whole")
+    save({"w": sd["w"]}, tmp_path / "whole", chunk_bytes=delta_module.DELTA_CHUNK_BYTES)  # the policy writer's chunks
     whole = next(i.length for i in _metadata(tmp_path / "whole").storage_data.values())
     got = next(i for ix, i in _metadata(tmp_path / "s2").storage_data.items() if ix.fqn == "w")
     _load_check(tmp_path / "s2", _snapshot(sd))  # correct either way: only the size is at stake

@@ -22,6 +22,7 @@ from nvdcp.format.dtypes import code_dtype
 from nvdcp.format.header import parse_item_header
 from tests.dcp.helpers import failure_of
 from tests.golden.make_golden import (
+    GOLDEN_CHUNK_BYTES,
     V2_DELTA_ITEMS,
     digest,
     golden_state,
@@ -98,8 +99,10 @@ def test_golden_v2_delta_records_are_as_committed() -> None:
 
 def test_todays_writer_reproduces_the_golden_delta_records(tmp_path: Path) -> None:
     """Saving the same state against the committed base gives the committed records, byte for
-    byte: a change to how deltas are laid out or encoded fails here, not in users' chains."""
-    dcp.save(golden_state_v2(), storage_writer=nvdcp.NvcompWriter(tmp_path / "again", codec="zstd", base=GOLDEN / "base"))
+    byte: a change to how deltas are laid out or encoded fails here, not in users' chains. The
+    golden delta has 64 KiB chunks (written before delta writers defaulted to 32 KiB)."""
+    writer = nvdcp.NvcompWriter(tmp_path / "again", codec="zstd", base=GOLDEN / "base", chunk_bytes=GOLDEN_CHUNK_BYTES)
+    dcp.save(golden_state_v2(), storage_writer=writer)
     got = record_bytes(tmp_path / "again")
     want = record_bytes(GOLDEN / "delta")
     assert set(got) == set(want)

@@ -27,6 +27,9 @@ import nvdcp
 HERE = Path(__file__).parent / "v1"
 CODECS = ["zstd", "gdeflate", "none"]
 HERE_V2 = Path(__file__).parent / "v2"
+#: The v2 delta's chunk size: 64 KiB, from before writers that save deltas defaulted to 32 KiB
+#: (nvdcp.dcp.delta.DELTA_CHUNK_BYTES); pinned so that the committed records stay reproducible.
+GOLDEN_CHUNK_BYTES = 64 << 10
 
 
 def det_bytes(label: str, n: int) -> bytes:
@@ -143,7 +146,8 @@ def save_v2(where: Path) -> None:
     where.mkdir(parents=True, exist_ok=True)
     with contextlib.chdir(where) if hasattr(contextlib, "chdir") else _chdir(where):
         dcp.save(golden_state(), storage_writer=nvdcp.NvcompWriter("base", codec="zstd"))
-        dcp.save(golden_state_v2(), storage_writer=nvdcp.NvcompWriter("delta", codec="zstd", base="base"))
+        dcp.save(golden_state_v2(), storage_writer=nvdcp.NvcompWriter("delta", codec="zstd", base="base",
+                                                                      chunk_bytes=GOLDEN_CHUNK_BYTES))
 
 
 @contextlib.contextmanager
