@@ -184,8 +184,8 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
             ``"zstd"``, ``"gdeflate"``, ``"none"`` (raw, still checksummed); ``"ans"`` and
             ``"bitcomp"`` need a GPU to save and to load.
         chunk_bytes: uncompressed bytes per independently compressed chunk (1 KiB..64 KiB; default
-            64 KiB, or 32 KiB for a writer that saves deltas, ``delta=`` or ``base=``: see
-            :data:`nvdcp.dcp.delta.DELTA_CHUNK_BYTES`).
+            ``encoder``'s when one is given, else 64 KiB, or 32 KiB for a writer that saves
+            deltas, ``delta=`` or ``base=``: see :data:`nvdcp.dcp.delta.DELTA_CHUNK_BYTES`).
         codec_threads: CPU threads for compression (default: all cores).
         storage_options: backend options for URLs (see :func:`nvdcp.storage.open_storage`).
         gpu: bounds and choices of the GPU path (:class:`~nvdcp.gpu.config.GpuConfig`); tensors
@@ -259,8 +259,9 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
                               _extensions, serialization_format)
         if thread_count is not None and thread_count < 1:
             raise ValueError(f"thread_count must be >= 1, got {thread_count}")
-        if chunk_bytes is None:
-            chunk_bytes = DELTA_CHUNK_BYTES if delta is not None or base is not None else DEFAULT_CHUNK_BYTES
+        if chunk_bytes is None:  # an encoder= of the caller's brings its own
+            chunk_bytes = (encoder.config.chunk_bytes if encoder is not None
+                           else DELTA_CHUNK_BYTES if delta is not None or base is not None else DEFAULT_CHUNK_BYTES)
         self.encoding = EncodeConfig(codec, chunk_bytes, codec_threads)
         self.gpu = gpu or GpuConfig()
         if encoder is not None and (encoder.config, encoder.gpu) != (self.encoding, self.gpu):

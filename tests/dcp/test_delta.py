@@ -24,6 +24,8 @@ from nvdcp.dcp.delta import DeltaSave
 from nvdcp.format.delta import DELTA_ATTR
 from nvdcp.format.digest import DIGEST_ATTR
 from nvdcp.format.header import checksum, parse_item_header
+from nvdcp.pipeline.config import EncodeConfig
+from nvdcp.pipeline.encoder import ItemEncoder
 from nvdcp.testing import faults as F
 from tests.conftest import bit_equal, random_tensor, weights_like
 from tests.dcp.helpers import empty_like_sd, failure_of, item_span, load, save
@@ -282,6 +284,14 @@ def test_writers_that_save_deltas_default_to_smaller_chunks_and_load_over_any_ba
     save(sd, tmp_path / "pinned", delta=policy, chunk_bytes=16 << 10)
     assert "w" in _delta_fqns(tmp_path / "pinned") and _chunk_bytes(tmp_path / "pinned", "w") == 16 << 10
     _load_check(tmp_path / "pinned", _snapshot(sd))
+    encoder = ItemEncoder(EncodeConfig())  # a caller's encoder brings its chunk size
+    try:
+        _train(sd, 3)
+        save(sd, tmp_path / "own_encoder", delta=policy, encoder=encoder)
+    finally:
+        encoder.close()
+    assert "w" in _delta_fqns(tmp_path / "own_encoder") and _chunk_bytes(tmp_path / "own_encoder", "w") == 64 << 10
+    _load_check(tmp_path / "own_encoder", _snapshot(sd))
 
 
 def test_explicit_base_must_not_be_the_target(tmp_path: Path) -> None:
