@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+import nvdcp
 from benchmarks import delta_bench, delta_save_items
 
 
@@ -48,6 +50,28 @@ def test_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert ratio_checks and {t["interval"] for t in ratio_checks} == {10}
     assert {t["interval"] for t in payload["targets"] if "save" in t["target"]} == {2, 10}
     assert not (tmp_path / "ckpt" / "fp32_adamw_every2").exists()  # chains are removed once measured
+
+
+def test_delta_writers_chunk_size_flag(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--delta-chunk-kib`` reaches the writers with a policy and only them; the chain still
+    loads bit-exact. (What chunk size a record then has: tests/dcp/test_delta.py.)"""
+    seen: dict[str, set[int]] = {}
+    real_save = delta_bench.save_one
+
+    def spy(state: Any, path: str, writer: Any, device: str) -> Any:
+        if isinstance(writer, nvdcp.NvcompWriter):
+            seen.setdefault("delta" if writer.delta is not None else "full", set()).add(writer.chunk_bytes)
+        return real_save(state, path, writer, device)
+
+    monkeypatch.setattr(delta_bench, "save_one", spy)
+    target = delta_bench.main([
+        "--device", "cpu", "--small", "--intervals", "2", "--checkpoints", "3", "--keep", "2", "--ks", "2",
+        "--variants", "fp32_adamw", "--warm-steps", "2", "--stock-saves", "1", "--delta-chunk-kib", "16",
+        "--root", str(tmp_path / "ckpt"), "--out", str(tmp_path), "--suffix", "_chunks",
+    ])
+    payload = json.loads(target.read_text())
+    assert payload["all_bit_exact"] and payload["args"]["delta_chunk_kib"] == 16
+    assert seen == {"delta": {16 << 10}, "full": {64 << 10}}
 
 
 def test_delta_resume_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
