@@ -145,6 +145,15 @@ def auto_file_count(storage: Storage, nbytes: int) -> int:
     return max(1, min(cap, math.ceil(nbytes / AUTO_FILE_BYTES)))
 
 
+def _default_chunk_bytes(encoder: ItemEncoder | None, saves_deltas: bool) -> int:
+    """A writer's ``chunk_bytes`` when the caller gives none: its ``encoder``'s, else
+    :data:`~nvdcp.dcp.delta.DELTA_CHUNK_BYTES` for a writer that saves deltas (nvCOMP's Zstd call
+    on a GPU takes as long as one chunk), else the format's default."""
+    if encoder is not None:
+        return encoder.config.chunk_bytes
+    return DELTA_CHUNK_BYTES if saves_deltas else DEFAULT_CHUNK_BYTES
+
+
 class NvcompWriter(WriterStagingMixin, StorageWriter):
     """Writes a DCP checkpoint whose items are compressed (nvCOMP on the GPU, CPU codecs otherwise).
 
@@ -259,9 +268,8 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
                               _extensions, serialization_format)
         if thread_count is not None and thread_count < 1:
             raise ValueError(f"thread_count must be >= 1, got {thread_count}")
-        if chunk_bytes is None:  # an encoder= of the caller's brings its own
-            chunk_bytes = (encoder.config.chunk_bytes if encoder is not None
-                           else DELTA_CHUNK_BYTES if delta is not None or base is not None else DEFAULT_CHUNK_BYTES)
+        if chunk_bytes is None:
+            chunk_bytes = _default_chunk_bytes(encoder, saves_deltas=delta is not None or base is not None)
         self.encoding = EncodeConfig(codec, chunk_bytes, codec_threads)
         self.gpu = gpu or GpuConfig()
         if encoder is not None and (encoder.config, encoder.gpu) != (self.encoding, self.gpu):
