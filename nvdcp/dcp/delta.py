@@ -59,8 +59,8 @@ DEFAULT_MAX_CHAIN = 16
 #: Default ``chunk_bytes`` of a writer that saves deltas (``delta=`` or ``base=``): half the full
 #: checkpoints' 64 KiB. A GPU delta compresses every plane of the difference, its sparse top planes
 #: with nvCOMP's Zstd, whose call takes about as long as one chunk takes on its own: 4.4-4.9 ms at
-#: 64 KiB, 2.7-2.8 ms at 32 KiB, whether it carries 256 or 1,024 chunks; a delta bucket within the scratch
-#: budget carries a few hundred (H100,
+#: 64 KiB, 2.7-2.8 ms at 32 KiB, whether it carries 256 or 1,024 chunks; a delta bucket within the
+#: scratch budget carries a few hundred (H100,
 #: benchmarks/results/nvcomp_call_probe_2026-12-06_h100_session28_chunk_sizes.json). Reference GPT
 #: on /dev/shm, H100, 64 -> 32 KiB: the GPU memory a delta save adds at peak 2,657-2,748 ->
 #: 1,450-2,083 MiB, bf16 delta saves 1.10-1.62x -> 0.99-1.32x a full save (fp32 moved within the
