@@ -1,7 +1,7 @@
 """What one nvCOMP compress call costs against how many chunks it carries (issue 15: GPU delta saves).
 
     python -m benchmarks.nvcomp_call_probe [--chunks 64,256,1024,4096] [--chunk-kib 64] [--saves]
-        [--out DIR] [--suffix _h100]
+        [--workspaces] [--out DIR] [--suffix _h100]
 
 Part 1 (always): the top byte plane of the XOR of fp32 / bf16 weights (N(0, 0.02)) with the same
 weights after an update of N(0, step) (step 1e-4 and 1e-5: what a delta's top plane holds, mostly
@@ -15,6 +15,10 @@ Part 2 (``--saves``): the reference GPT (``benchmarks.delta_bench``'s CUDA workl
 apart near peak LR) saved as a first delta and as a full checkpoint to /dev/shm at scratch
 budgets ``GpuConfig(gpu_memory_bytes=None, 2 GiB, 4 GiB)``: medians of three alternating rounds
 after one warm-up, and how many nvCOMP calls and chunks each codec got in the delta save.
+
+Part 3 (``--workspaces``): the workspace nvCOMP asks for (``...GetTempSize``), compressing and
+decompressing, for each codec (ANS and Bitcomp typed fp32), chunk size of ``--chunk-kib`` and a
+call of 1 to 16,384 chunks: what a save's or load's GPU budget has to hold beside its scratch.
 
 Writes ``nvcomp_call_probe_<date><suffix>.json`` (date, machine, command) to ``--out``
 (default benchmarks/results). Needs CUDA and nvCOMP.
@@ -193,11 +197,28 @@ def part_saves() -> list[dict[str, Any]]:
     return rows
 
 
+def part_workspaces(chunk_sizes: list[int]) -> list[dict[str, Any]]:
+    from nvdcp.gpu.nvcomp_batch import BatchedCodec
+
+    rows = []
+    for name, data_type in (("zstd", None), ("gdeflate", None), ("ans", "<f4"), ("bitcomp", "<f4")):
+        for size in chunk_sizes:
+            codec = BatchedCodec(name, data_type, size, 0)
+            for n in (1, 64, 1024, 16384):
+                row = {"codec": name, "chunk_kib": size >> 10, "chunks": n,
+                       "compress_MiB": round(codec.compress_temp_bytes(n, n * size) / 2**20, 2),
+                       "decompress_MiB": round(codec.decompress_temp_bytes(n, n * size) / 2**20, 2)}
+                print(row, flush=True)
+                rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> Path:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--chunks", default="64,256,1024,4096", help="chunks per call, comma separated")
     p.add_argument("--chunk-kib", default="64", help="chunk sizes in KiB (1-64), comma separated")
     p.add_argument("--saves", action="store_true", help="also part 2: the reference model's delta and full saves")
+    p.add_argument("--workspaces", action="store_true", help="also part 3: nvCOMP's workspace sizes")
     p.add_argument("--out", default=None)
     p.add_argument("--suffix", default="")
     args = p.parse_args(argv)
@@ -207,6 +228,9 @@ def main(argv: list[str] | None = None) -> Path:
     payload: dict[str, Any] = {"benchmark": "nvcomp_call_probe", "issue": 15, "chunk_bytes": CHUNK,
                                "calls": part_calls(sorted(int(x) for x in args.chunks.split(",") if x),
                                                    [int(x) << 10 for x in args.chunk_kib.split(",") if x])}
+    chunk_sizes = [int(x) << 10 for x in args.chunk_kib.split(",") if x]
+    if args.workspaces:
+        payload["workspaces"] = part_workspaces(chunk_sizes)
     if args.saves:
         payload["saves"] = part_saves()
     path = write_results("nvcomp_call_probe", payload, args.out, args.suffix)

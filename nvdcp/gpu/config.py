@@ -22,9 +22,12 @@ class GpuConfig:
     """Settings of the GPU path of :class:`~nvdcp.NvcompWriter` and :class:`~nvdcp.NvcompReader`.
 
     Args:
-        gpu_memory_bytes: scratch GPU memory a save or load may use (planes, compressed chunks,
-            staging). ``None``: for saves 1 GiB or 5% of the free GPU memory, whichever is
-            smaller; for loads 8 GiB or 10% of the free memory (load passes are bound by their
+        gpu_memory_bytes: the most GPU memory a save or load may add: its scratch (planes,
+            compressed chunks, staging, the bases of deltas) and, for saves, nvCOMP's workspaces
+            (:mod:`nvdcp.gpu.bound`: under a bound too small for Zstd's 1.07 GiB workspace a
+            delta's top planes get GDeflate, and ``codec="zstd"`` is refused). ``None``: a
+            scratch of 1 GiB or 5% of the free GPU memory for saves, whichever is smaller, with
+            the workspaces beside it; for loads 8 GiB or 10% of the free memory (load passes are bound by their
             per-pass host work: larger passes measured 6.4 -> 17.3 GB/s on an H200,
             benchmarks/results/load_knobs_2026-12-01_h200.json). Loads run before training
             allocates its activations, and give the memory back to torch's caching allocator.

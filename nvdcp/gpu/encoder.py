@@ -37,6 +37,7 @@ from nvdcp.format.crc import checksum_ranges
 from nvdcp.format.header import TRANSFORM_BYTEPLANES, ChunkTable, ItemHeader
 from nvdcp.format.header_batch import HeaderFields, header_layout, header_of, pack_headers_into
 from nvdcp.gpu import crc32c
+from nvdcp.gpu.bound import SaveBound, fit_scratch
 from nvdcp.gpu.merge import PLANE_COUNTS, merge_table, split_available, split_rows
 from nvdcp.gpu.nvcomp_batch import WORKSPACES, BatchResult, NvcompCallError
 from nvdcp.gpu.nvcomp_codecs import CodecCache, typed_data_type
@@ -480,8 +481,13 @@ class GpuEncoder:
     """Encodes CUDA tensors into container records (one encoder per device and writer thread)."""
 
     def __init__(self, device: torch.device, *, chunk_bytes: int, budget_bytes: int,
-                 gdeflate_type: int, pinned_bytes: int = 512 << 20, pinned: PinnedPool | None = None) -> None:
+                 gdeflate_type: int, pinned_bytes: int = 512 << 20, pinned: PinnedPool | None = None,
+                 bound: SaveBound | None = None) -> None:
+        """``budget_bytes``: the scratch of each encode, nvCOMP's workspaces beside it; or, with
+        ``bound`` (a user's ``gpu_memory_bytes``), the scratch comes out of the bound once the
+        workspaces of each encode's codecs are set aside (:func:`~nvdcp.gpu.bound.fit_scratch`)."""
         self.device = device
+        self.bound = bound
         #: Pinned buffers of :meth:`encode` (one bucket at a time); shared with the owner's other encoders.
         self.pinned = pinned if pinned is not None else PinnedPool(pinned_bytes)
         self.pinned_bytes = pinned_bytes
@@ -494,6 +500,8 @@ class GpuEncoder:
         self.max_slots = self.max_slots_for(2)
         self.gdeflate_type = gdeflate_type
         self.streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        #: a bucket's codec groups after its first, each on its own stream (:meth:`_compress_groups`)
+        self._side_streams: dict[tuple[int, int], torch.cuda.Stream] = {}
         #: copies of kept bytes to the host cache (delta policies), off the compression's streams
         self.keep_stream = torch.cuda.Stream(device)
         self.codecs = CodecCache(chunk_bytes, gdeflate_type)
@@ -514,10 +522,19 @@ class GpuEncoder:
         delta = 2 * job.n_planes * c if job.delta is not None else 0
         return job.n_planes * (2 * c + 8 * c // self.granule) + compressed * 2 * c + delta
 
+    def _bucket_budget(self, jobs: list[GpuJob], depth: int) -> int:
+        """A bucket's share of the scratch (two are in flight), within the user's bound if any
+        (which may give auto-chosen Zstd planes GDeflate: :func:`~nvdcp.gpu.bound.fit_scratch`)."""
+        if self.bound is None:
+            return self.bucket_budget
+        scratch = fit_scratch(jobs, self.bound, self.codecs, self.max_slots_for(depth))
+        return max(scratch // 2, 64 * self.chunk_bytes)
+
     def _plan(self, jobs: list[GpuJob], depth: int = 2) -> list[_Bucket]:
         """Pack block ranges of the jobs, in order, into buckets under the budget (and under the
         pinned budget's share of each of ``depth`` buckets held at once)."""
         max_slots = self.max_slots_for(depth)
+        bucket_budget = self._bucket_budget(jobs, depth)
         buckets = [_Bucket()]
         for j, job in enumerate(jobs):
             blocks = -(-job.elements // self.chunk_bytes)
@@ -528,8 +545,8 @@ class GpuEncoder:
             b = 0
             while b < blocks:
                 cur = buckets[-1]
-                room = min((self.bucket_budget - cur.cost) // per_block, (max_slots - cur.slots) // job.n_planes)
-                fits_empty = min(self.bucket_budget // per_block, max_slots // job.n_planes)
+                room = min((bucket_budget - cur.cost) // per_block, (max_slots - cur.slots) // job.n_planes)
+                fits_empty = min(bucket_budget // per_block, max_slots // job.n_planes)
                 if cur.segments and (room <= 0 or (b == 0 and room < blocks <= fits_empty)):
                     # a new bucket, also for an item that would fit whole in one but not in this
                     # one's rest: its chunks then stay in one host buffer (no copy of a partial item)
@@ -683,13 +700,45 @@ class GpuEncoder:
             # output slots keep records byte-reproducible and no stale device memory in a file.
             arena[bucket.slots * c :].zero_()
             self._split_planes(jobs, bucket, slots)
-            for grp, (name, data_type) in zip(groups, keys):
-                out_offsets = grp.base + np.arange(len(grp.ids), dtype=np.int64) * grp.cap
-                grp.result = self.codecs.get(name, data_type).compress(
-                    arena, grp.ids * c, raw_sizes[grp.ids], arena, out_offsets, stream)
+            self._compress_groups(arena, raw_sizes, groups, keys, parity)
             encoded = torch.cuda.Event()
             encoded.record(stream)
         return _Launched(bucket, stream, arena, raw_sizes, groups, encoded, jobs)
+
+    def _compress_groups(self, arena: torch.Tensor, raw_sizes: np.ndarray, groups: list[_Group],
+                         keys: list[tuple[str, str | None]], parity: int) -> None:
+        """Queue one nvCOMP call per codec group, the first on the bucket's stream and each
+        other on a side stream of its own, after the split and before what the bucket's stream
+        queues next. A delta's sparse top planes go to Zstd, whose call takes milliseconds
+        whatever it carries while leaving most of the GPU idle: GDeflate's call on the other
+        planes runs beside it (each algorithm has its own workspace, :class:`Workspaces`).
+        The arena needs no ``record_stream``: the bucket's stream joins every side stream
+        before anything frees it."""
+        c = self.chunk_bytes
+        stream = self.streams[parity]
+        split = torch.cuda.Event()
+        split.record(stream)
+        sides: list[torch.cuda.Stream] = []
+        try:
+            for i, (grp, (name, data_type)) in enumerate(zip(groups, keys)):
+                on = stream
+                if i:
+                    on = self._side_stream(parity, i)
+                    on.wait_event(split)
+                    sides.append(on)
+                out_offsets = grp.base + np.arange(len(grp.ids), dtype=np.int64) * grp.cap
+                grp.result = self.codecs.get(name, data_type).compress(
+                    arena, grp.ids * c, raw_sizes[grp.ids], arena, out_offsets, on)
+        finally:  # also when a call was refused: nothing frees the arena under a side stream's work
+            for side in sides:
+                stream.wait_stream(side)
+
+    def _side_stream(self, parity: int, group: int) -> torch.cuda.Stream:
+        key = (parity, group)
+        side = self._side_streams.get(key)
+        if side is None:
+            side = self._side_streams[key] = torch.cuda.Stream(self.device)
+        return side
 
     def _to_host(self, launched: _Launched, sink: HostSink) -> HostBucket:
         """Pack the bucket's stored chunks on the device and queue their copy into ``sink``'s memory."""

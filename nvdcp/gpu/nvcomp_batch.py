@@ -100,11 +100,13 @@ _SIZE_OUT = ctypes.POINTER(ctypes.c_size_t)
 
 
 class Workspaces:
-    """nvCOMP's temporary workspace: one device buffer per GPU, grown to the largest request,
-    shared by every stream and thread. Calls that use it are ordered on the device (each waits
-    for the event of the call before it, on whatever stream that ran), so one buffer serves
-    them all: a Zstd call's workspace is 1.07 GiB, and one per stream and encoder thread would
-    keep several of them.
+    """nvCOMP's temporary workspaces: one device buffer per GPU and algorithm, grown to the
+    largest request, shared by every stream and thread. Calls that use one buffer are ordered
+    on the device (each waits for the event of the call before it, on whatever stream that
+    ran), so one buffer serves them all: a Zstd call's workspace is 1.07 GiB, and one per
+    stream and encoder thread would keep several of them. Calls of different algorithms have
+    buffers of their own and run side by side: a Zstd call of a few hundred chunks leaves most
+    of the GPU idle for milliseconds, which GDeflate's calls on the other planes fill.
 
     The buffer lives while a save or load holds it (:meth:`held`) and is dropped when the last
     one ends: its memory then stays in torch's allocator cache, so the next save reuses it
@@ -113,8 +115,8 @@ class Workspaces:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._buffers: dict[int, torch.Tensor] = {}
-        self._last: dict[int, torch.cuda.Event] = {}
+        self._buffers: dict[tuple[int, str], torch.Tensor] = {}
+        self._last: dict[tuple[int, str], torch.cuda.Event] = {}
         self._holders = 0
 
     @contextlib.contextmanager
@@ -133,26 +135,27 @@ class Workspaces:
                     self._last.clear()
 
     @contextlib.contextmanager
-    def use(self, device: torch.device, nbytes: int, stream: torch.cuda.Stream) -> Iterator[torch.Tensor | None]:
-        """The workspace of ``device`` (at least ``nbytes``; None for none) for work queued on
-        ``stream`` inside the block; the next user's stream waits for that work."""
+    def use(self, device: torch.device, algorithm: str, nbytes: int,
+            stream: torch.cuda.Stream) -> Iterator[torch.Tensor | None]:
+        """The workspace of ``algorithm`` on ``device`` (at least ``nbytes``; None for none) for
+        work queued on ``stream`` inside the block; its next user's stream waits for that work."""
         if nbytes == 0:
             yield None
             return
-        index = device.index if device.index is not None else torch.cuda.current_device()
+        key = (device.index if device.index is not None else torch.cuda.current_device(), algorithm)
         with self._lock:
-            last = self._last.get(index)
+            last = self._last.get(key)
             if last is not None:
                 stream.wait_event(last)
-            buffer = self._buffers.get(index)
+            buffer = self._buffers.get(key)
             if buffer is None or buffer.numel() < nbytes:
                 with torch.cuda.stream(stream):  # after every earlier user: the old memory is free to reuse
-                    self._buffers[index] = buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+                    self._buffers[key] = buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
             buffer.record_stream(stream)
             yield buffer
             done = torch.cuda.Event()
             done.record(stream)
-            self._last[index] = done
+            self._last[key] = done
 
     def release(self) -> None:
         """Drop every workspace (torch's allocator frees them once the work queued on them ran)."""
@@ -203,6 +206,7 @@ class BatchedCodec:
         if algorithm is None:
             raise ValueError(f"codec {name!r} does not run through nvCOMP")
         self.name = name
+        self.algorithm: str = algorithm
         self.chunk_bytes = chunk_bytes
         c = _C_NAMES[algorithm]
         type_code = TYPE_CODES[data_type] if data_type is not None else 0
@@ -233,6 +237,13 @@ class BatchedCodec:
                                    max(total_bytes, 1), stream), f"{self.name} compress temp size")
         return int(temp.value)
 
+    def decompress_temp_bytes(self, count: int, total_bytes: int, stream: int = 0) -> int:
+        """Workspace bytes nvCOMP needs to decompress ``count`` chunks of ``total_bytes`` in all."""
+        temp = ctypes.c_size_t()
+        _check(self._decompress_temp(count, self.chunk_bytes, self._decompress_opts, ctypes.byref(temp),
+                                     max(total_bytes, 1), stream), f"{self.name} decompress temp size")
+        return int(temp.value)
+
     def compress(self, src: torch.Tensor, src_offsets: np.ndarray, sizes: np.ndarray, dst: torch.Tensor,
                  dst_offsets: np.ndarray, stream: torch.cuda.Stream) -> BatchResult:
         """Queue on ``stream`` the compression of chunk ``i`` (``sizes[i]`` bytes at byte
@@ -246,7 +257,7 @@ class BatchedCodec:
             table = _device_table(src.device, src.data_ptr() + src_offsets, sizes, dst.data_ptr() + dst_offsets)
             out = torch.empty((2, n), dtype=torch.int64, device=src.device)
             temp_bytes = self.compress_temp_bytes(n, int(sizes.sum()), stream.cuda_stream)
-            with WORKSPACES.use(src.device, temp_bytes, stream) as temp:
+            with WORKSPACES.use(src.device, self.algorithm, temp_bytes, stream) as temp:
                 status = self._compress(table[0].data_ptr(), table[1].data_ptr(), self.chunk_bytes, n, _ptr(temp),
                                         temp_bytes, table[2].data_ptr(), out[0].data_ptr(), self._compress_opts,
                                         out[1].data_ptr(), stream.cuda_stream)
@@ -266,12 +277,10 @@ class BatchedCodec:
             table = _device_table(src.device, src.data_ptr() + src_offsets, sizes, capacities,
                                   dst.data_ptr() + dst_offsets)
             out = torch.empty((2, n), dtype=torch.int64, device=src.device)
-            temp = ctypes.c_size_t()
-            _check(self._decompress_temp(n, self.chunk_bytes, self._decompress_opts, ctypes.byref(temp),
-                                         max(int(capacities.sum()), 1), stream.cuda_stream), f"{self.name} decompress temp size")
-            with WORKSPACES.use(src.device, int(temp.value), stream) as work:
+            temp_bytes = self.decompress_temp_bytes(n, int(capacities.sum()), stream.cuda_stream)
+            with WORKSPACES.use(src.device, self.algorithm, temp_bytes, stream) as work:
                 status = self._decompress(table[0].data_ptr(), table[1].data_ptr(), table[2].data_ptr(),
-                                          out[0].data_ptr(), n, _ptr(work), int(temp.value), table[3].data_ptr(),
+                                          out[0].data_ptr(), n, _ptr(work), temp_bytes, table[3].data_ptr(),
                                           self._decompress_opts, out[1].data_ptr(), stream.cuda_stream)
             _check(status, f"{self.name} decompress")
             return _result_to_host(out, stream, n)

@@ -263,6 +263,7 @@ class ItemEncoder:
     @contextlib.contextmanager
     def _gpu_encoder(self, device: torch.device, shares: int) -> Iterator[GpuEncoder]:
         """Check out an idle encoder for ``device`` (made on first need), back when done."""
+        from nvdcp.gpu.bound import SaveBound
         from nvdcp.gpu.encoder import GpuEncoder
 
         key = (device, shares)
@@ -270,10 +271,12 @@ class ItemEncoder:
             idle = self._idle.setdefault(key, [])
             encoder = idle.pop() if idle else None
         if encoder is None:
+            bound = self.gpu.gpu_memory_bytes
             encoder = GpuEncoder(
                 device, chunk_bytes=self.config.chunk_bytes, budget_bytes=self.gpu.gpu_budget(device) // shares,
                 gdeflate_type=self.gpu.gdeflate_algorithm_type,
                 pinned_bytes=self.gpu.pinned_bytes() // shares, pinned=self.pinned,
+                bound=None if bound is None else SaveBound(bound, shares, self.config.codec == "auto"),
             )
         try:
             yield encoder

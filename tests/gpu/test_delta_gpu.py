@@ -22,6 +22,7 @@ from nvdcp.format.header import parse_item_header
 from nvdcp.gpu.config import GpuConfig
 from tests.conftest import bit_equal, weights_like
 from tests.dcp.helpers import item_span
+from tests.gpu import bound_with_room
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda", 0)
@@ -155,6 +156,47 @@ def test_gpu_delta_planes_get_zstd_where_they_compressed_past_gdeflates_reach(tm
     for i in (1, 2):
         _load(tmp_path / f"s{i}", CUDA, saved[i])
         _load(tmp_path / f"s{i}", torch.device("cpu"), saved[i])
+
+
+def test_a_gpu_bound_below_zstds_workspace_holds_the_whole_delta_save(tmp_path: Path) -> None:
+    """``gpu_memory_bytes`` bounds a save's scratch and nvCOMP's workspaces together: under 128
+    MiB, where Zstd's 1.07 GiB workspace cannot fit, delta saves give their top planes GDeflate,
+    add no more GPU memory than the bound at their peak, and the chain loads bit-exact."""
+    bound = 128 << 20
+    policy = nvdcp.DeltaPolicy(full_every=4)
+    sd = _state()
+    saved, peaks = [], []
+    for i in range(3):
+        gc.collect()
+        torch.cuda.synchronize(CUDA)
+        before = torch.cuda.memory_allocated(CUDA)
+        torch.cuda.reset_peak_memory_stats(CUDA)
+        dcp.save(sd, storage_writer=nvdcp.NvcompWriter(tmp_path / f"s{i}", delta=policy,
+                                                      gpu=GpuConfig(gpu_memory_bytes=bound)))
+        peaks.append(torch.cuda.max_memory_allocated(CUDA) - before)
+        saved.append({k: v.detach().cpu().clone() for k, v in sd.items()})
+        _step(sd, i)
+    assert max(peaks) <= bound, [p >> 20 for p in peaks]
+    for i in (1, 2):
+        for fqn in ("w32", "w16", "big"):
+            codecs = _plane_codecs(tmp_path / f"s{i}", fqn)
+            assert "zstd" not in codecs and "gdeflate" in codecs, (i, fqn, codecs)
+        _load(tmp_path / f"s{i}", CUDA, saved[i])
+        _load(tmp_path / f"s{i}", torch.device("cpu"), saved[i])
+
+
+def test_zstd_asked_for_under_a_gpu_bound_below_its_workspace_is_refused(tmp_path: Path) -> None:
+    """``codec="zstd"`` set by the user is not swapped: a bound that cannot hold Zstd's workspace
+    fails the save with an error naming the bound and the codec, and leaves no checkpoint."""
+    sd = {"w": weights_like((1024, 1024)).to(CUDA)}
+    with pytest.raises(Exception, match="gpu_memory_bytes") as err:
+        dcp.save(sd, storage_writer=nvdcp.NvcompWriter(tmp_path / "z", codec="zstd",
+                                                      gpu=GpuConfig(gpu_memory_bytes=64 << 20)))
+    assert "zstd" in str(err.value)
+    assert not (tmp_path / "z" / ".metadata").exists()
+    room = GpuConfig(gpu_memory_bytes=bound_with_room("zstd", 64 << 20))
+    dcp.save(sd, storage_writer=nvdcp.NvcompWriter(tmp_path / "z", codec="zstd", gpu=room))
+    _load(tmp_path / "z", CUDA, {"w": sd["w"].cpu()})
 
 
 def _cache_devices(policy: nvdcp.DeltaPolicy) -> dict[str, str]:

@@ -23,6 +23,7 @@ from nvdcp.pipeline.config import EncodeConfig
 from nvdcp.pipeline.encoder import ItemEncoder
 from nvdcp.testing import failure_of
 from tests.conftest import bit_equal, has_cuda_nvcomp, random_tensor, weights_like
+from tests.gpu import bound_with_room
 
 pytestmark = [
     pytest.mark.gpu,
@@ -62,7 +63,7 @@ def _records(enc: ItemEncoder, sd: dict[str, torch.Tensor]) -> dict[str, bytes]:
 @pytest.mark.parametrize("codec", ["auto", "zstd", "none"])
 def test_device_checksums_give_the_host_checksums_records(codec: str, monkeypatch: pytest.MonkeyPatch) -> None:
     sd = _state(n_small=50)
-    small = GpuConfig(gpu_memory_bytes=64 * MiB, pinned_memory_bytes=32 * MiB)  # many buckets
+    small = GpuConfig(gpu_memory_bytes=bound_with_room(codec, 64 * MiB), pinned_memory_bytes=32 * MiB)  # many buckets
     enc = ItemEncoder(EncodeConfig(codec=codec), small)
     try:
         on_device = _records(enc, sd)

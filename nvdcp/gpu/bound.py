@@ -1,0 +1,93 @@
+"""One number bounds a GPU save's memory: its scratch and nvCOMP's workspaces together.
+
+``GpuConfig(gpu_memory_bytes=N)`` is the most GPU memory a save adds: the buckets' scratch
+(planes, compressed chunks, the bases of deltas) of every encoder writing at once, and the
+workspaces nvCOMP asks for beside them (one per GPU and algorithm, shared by those encoders:
+:class:`~nvdcp.gpu.nvcomp_batch.Workspaces`). nvCOMP's Zstd asks for about 1.07 GiB whatever
+the call carries (``python -m benchmarks.nvcomp_call_probe --workspaces``), more than a small
+bound holds: a delta's top planes, which the auto choice gives Zstd, then get GDeflate (a
+plane of 100-3,000x under Zstd stores 7.75x under GDeflate type 0: the save stays within its
+bound and loads as any other). A save whose codec was set to ``"zstd"`` by the user is refused
+with a ``ValueError`` instead. Left at ``None``, the bound is the default scratch with the
+workspaces beside it (``GpuConfig.gpu_budget``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from nvdcp.gpu.nvcomp_codecs import CodecCache, typed_data_type
+from nvdcp.pipeline.policy import GPU_AUTO_CODEC, Layout
+
+#: The least scratch a save leaves each of its concurrent encoders (``GpuConfig``'s own floor).
+MIN_SCRATCH_BYTES = 16 << 20
+
+
+@dataclass(frozen=True)
+class SaveBound:
+    """A user's bound on a save's GPU memory, as one encoder sees it.
+
+    Args:
+        device_bytes: ``GpuConfig.gpu_memory_bytes``: scratch of every encoder plus workspaces.
+        shares: encoders of the save writing at once on the device (each gets an equal scratch).
+        zstd_is_auto: the save's codec is ``"auto"``, so any Zstd plane was nvdcp's choice (a
+            delta's top plane) and may become GDeflate.
+    """
+
+    device_bytes: int
+    shares: int = 1
+    zstd_is_auto: bool = True
+
+
+def codec_keys(jobs: Sequence[Any]) -> set[tuple[str, str | None]]:
+    """The nvCOMP codecs (name, element type) the jobs' layouts call."""
+    layouts = {(job.layout.plane_codecs, job.dtype) for job in jobs}
+    return {(name, typed_data_type(name, dtype)) for names, dtype in layouts for name in names if name != "none"}
+
+
+def workspace_bytes(codecs: CodecCache, keys: Iterable[tuple[str, str | None]], max_chunks: int) -> int:
+    """Workspace bytes the codecs ``keys`` ask for, compressing calls of up to ``max_chunks``
+    chunks: the largest request per algorithm (one buffer each), summed."""
+    per_algorithm: dict[str, int] = {}
+    for name, data_type in keys:
+        codec = codecs.get(name, data_type)
+        need = codec.compress_temp_bytes(max_chunks, max_chunks * codecs.chunk_bytes)
+        per_algorithm[codec.algorithm] = max(per_algorithm.get(codec.algorithm, 0), need)
+    return sum(per_algorithm.values())
+
+
+def fit_scratch(jobs: Sequence[Any], bound: SaveBound, codecs: CodecCache, max_chunks: int) -> int:
+    """The scratch bytes each encoder of the save may use within ``bound``, once the workspaces
+    of the jobs' codecs are set aside. When Zstd's does not fit, jobs with auto-chosen Zstd
+    planes are given GDeflate for them (their ``layout`` is replaced).
+
+    Raises:
+        ValueError: the workspaces leave less than :data:`MIN_SCRATCH_BYTES` per encoder and
+            nothing can be swapped (``codec="zstd"`` set by the user, or another codec's).
+    """
+    keys = codec_keys(jobs)
+    floor = bound.shares * MIN_SCRATCH_BYTES
+    reserve = workspace_bytes(codecs, keys, max_chunks)
+    if bound.device_bytes - reserve >= floor:
+        return (bound.device_bytes - reserve) // bound.shares
+    if bound.zstd_is_auto and any(name == "zstd" for name, _ in keys):
+        for job in jobs:
+            if "zstd" in job.layout.plane_codecs:
+                job.layout = without_zstd(job.layout)
+        keys = codec_keys(jobs)
+        reserve = workspace_bytes(codecs, keys, max_chunks)
+        if bound.device_bytes - reserve >= floor:
+            return (bound.device_bytes - reserve) // bound.shares
+    names = ", ".join(sorted({name for name, _ in keys}))
+    raise ValueError(
+        f"GpuConfig(gpu_memory_bytes={bound.device_bytes}) is too small for this save: nvCOMP's workspace for "
+        f"{names} takes {reserve >> 20} MiB of it, leaving less than {MIN_SCRATCH_BYTES >> 20} MiB of scratch for "
+        f"each of its {bound.shares} concurrent encodes; raise gpu_memory_bytes or use codec='auto' or 'gdeflate'"
+    )
+
+
+def without_zstd(layout: Layout) -> Layout:
+    """``layout`` with GDeflate where it had Zstd (both decode on the CPU)."""
+    return Layout(layout.transform, tuple(GPU_AUTO_CODEC if name == "zstd" else name for name in layout.plane_codecs))
