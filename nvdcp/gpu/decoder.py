@@ -228,6 +228,8 @@ class GpuDecoder:
         self.budget = max(8 * _slot_stride(65536), min(budget_bytes // 3, pinned_bytes))
         self.gdeflate_type = gdeflate_type
         self.stream: Any = torch.cuda.Stream(device) if self._cuda else _HostStream()
+        #: a pass's codec groups after its first, each on its own stream (:meth:`_decode_groups`)
+        self._side_streams: dict[int, Any] = {}
         self.codecs: dict[int, CodecCache] = {}
         #: chunk checksums checked on the device (the Triton kernel) rather than on the host
         self.device_crc = crc32c.device_crc_available()
@@ -678,16 +680,36 @@ class GpuDecoder:
 
     def _decode_groups(self, p: _Pass, src_buf: torch.Tensor, dst_buf: torch.Tensor) -> None:
         """One nvCOMP call per codec over the pass's compressed slots, ``src_buf`` -> ``dst_buf``
-        (flat, slot ``k`` at ``k * stride`` in both)."""
+        (flat, slot ``k`` at ``k * stride`` in both): the first on the decoder's stream, each
+        other on a side stream of its own, as the encoder does (a delta's Zstd planes decode
+        beside its GDeflate planes); the decoder's stream joins them before the merge, and
+        before anything frees the buffers."""
         cache = self._codec_cache(p.chunk_bytes)
-        for (name, data_type), ks in p.groups.items():
-            starts = ks * p.stride
-            try:
-                result = cache.get(name, data_type).decompress(src_buf, starts, p.stored[ks], dst_buf, starts,
-                                                               p.raw[ks], self.stream)
-            except NvcompCallError as exc:  # refused at launch (a stream's own faults come back per chunk)
-                raise CorruptCheckpointError(f"{p.owners.all()}: nvCOMP {name} decode failed: {exc}") from exc
-            p.decoded.append((name, ks, result))
+        start = self._event() if self._cuda and len(p.groups) > 1 else None
+        sides: list[Any] = []
+        try:
+            for i, ((name, data_type), ks) in enumerate(p.groups.items()):
+                on = self.stream
+                if i and start is not None:
+                    on = self._side_stream(i)
+                    on.wait_event(start)
+                    sides.append(on)
+                starts = ks * p.stride
+                try:
+                    result = cache.get(name, data_type).decompress(src_buf, starts, p.stored[ks], dst_buf, starts,
+                                                                   p.raw[ks], on)
+                except NvcompCallError as exc:  # refused at launch (a stream's own faults come back per chunk)
+                    raise CorruptCheckpointError(f"{p.owners.all()}: nvCOMP {name} decode failed: {exc}") from exc
+                p.decoded.append((name, ks, result))
+        finally:
+            for side in sides:
+                self.stream.wait_stream(side)
+
+    def _side_stream(self, group: int) -> Any:
+        side = self._side_streams.get(group)
+        if side is None:
+            side = self._side_streams[group] = torch.cuda.Stream(self.device)
+        return side
 
     def _decode(self, p: _Pass) -> None:
         if self.fused:
