@@ -2,9 +2,9 @@
 
 ``GpuConfig(gpu_memory_bytes=N)`` is the most GPU memory a save adds: the buckets' scratch
 (planes, compressed chunks, the bases of deltas) of every encoder writing at once, and the
-workspaces nvCOMP asks for beside them (one per GPU and algorithm, shared by those encoders:
-:class:`~nvdcp.gpu.nvcomp_batch.Workspaces`). nvCOMP's Zstd asks for about 1.07 GiB whatever
-the call carries (``python -m benchmarks.nvcomp_call_probe --workspaces``), more than a small
+workspace nvCOMP asks for beside them (one per GPU, shared by those encoders:
+:class:`~nvdcp.gpu.nvcomp_batch.Workspaces`). nvCOMP's Zstd asks for 1.07-1.5 GiB, more the more
+chunks a call carries (``python -m benchmarks.nvcomp_call_probe --workspaces``), more than a small
 bound holds: a delta's top planes, which the auto choice gives Zstd, then get GDeflate (a
 plane of 100-3,000x under Zstd stores 7.75x under GDeflate type 0: the save stays within its
 bound and loads as any other). A save whose codec was set to ``"zstd"`` by the user is refused
@@ -49,13 +49,10 @@ def codec_keys(jobs: Sequence[Any]) -> set[tuple[str, str | None]]:
 
 def workspace_bytes(codecs: CodecCache, keys: Iterable[tuple[str, str | None]], max_chunks: int) -> int:
     """Workspace bytes the codecs ``keys`` ask for, compressing calls of up to ``max_chunks``
-    chunks: the largest request per algorithm (one buffer each), summed."""
-    per_algorithm: dict[str, int] = {}
-    for name, data_type in keys:
-        codec = codecs.get(name, data_type)
-        need = codec.compress_temp_bytes(max_chunks, max_chunks * codecs.chunk_bytes)
-        per_algorithm[codec.algorithm] = max(per_algorithm.get(codec.algorithm, 0), need)
-    return sum(per_algorithm.values())
+    chunks: the largest request (the calls share one buffer per GPU). Of nvCOMP's codecs only
+    Zstd asks for one: 1,074 MiB for a call of one 64 KiB chunk, 1,490 MiB for 4,096 (H200)."""
+    return max((codecs.get(name, data_type).compress_temp_bytes(max_chunks, max_chunks * codecs.chunk_bytes)
+                for name, data_type in keys), default=0)
 
 
 def fit_scratch(jobs: Sequence[Any], bound: SaveBound, codecs: CodecCache, max_chunks: int) -> int:

@@ -100,13 +100,12 @@ _SIZE_OUT = ctypes.POINTER(ctypes.c_size_t)
 
 
 class Workspaces:
-    """nvCOMP's temporary workspaces: one device buffer per GPU and algorithm, grown to the
-    largest request, shared by every stream and thread. Calls that use one buffer are ordered
-    on the device (each waits for the event of the call before it, on whatever stream that
-    ran), so one buffer serves them all: a Zstd call's workspace is 1.07 GiB, and one per
-    stream and encoder thread would keep several of them. Calls of different algorithms have
-    buffers of their own and run side by side: a Zstd call of a few hundred chunks leaves most
-    of the GPU idle for milliseconds, which GDeflate's calls on the other planes fill.
+    """nvCOMP's temporary workspace: one device buffer per GPU, grown to the largest request,
+    shared by every stream and thread. Calls that use it are ordered on the device (each waits
+    for the event of the call before it, on whatever stream that ran), so one buffer serves
+    them all: a Zstd call's workspace is 1.07 GiB, and one per stream and encoder thread would
+    keep several of them. Of the codecs nvdcp calls only Zstd asks for one (GDeflate, ANS and
+    Bitcomp none: their calls never wait here, and run beside a Zstd call on another stream).
 
     The buffer lives while a save or load holds it (:meth:`held`) and is dropped when the last
     one ends: its memory then stays in torch's allocator cache, so the next save reuses it
@@ -115,8 +114,8 @@ class Workspaces:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._buffers: dict[tuple[int, str], torch.Tensor] = {}
-        self._last: dict[tuple[int, str], torch.cuda.Event] = {}
+        self._buffers: dict[int, torch.Tensor] = {}
+        self._last: dict[int, torch.cuda.Event] = {}
         self._holders = 0
 
     @contextlib.contextmanager
@@ -135,14 +134,13 @@ class Workspaces:
                     self._last.clear()
 
     @contextlib.contextmanager
-    def use(self, device: torch.device, algorithm: str, nbytes: int,
-            stream: torch.cuda.Stream) -> Iterator[torch.Tensor | None]:
-        """The workspace of ``algorithm`` on ``device`` (at least ``nbytes``; None for none) for
-        work queued on ``stream`` inside the block; its next user's stream waits for that work."""
+    def use(self, device: torch.device, nbytes: int, stream: torch.cuda.Stream) -> Iterator[torch.Tensor | None]:
+        """The workspace of ``device`` (at least ``nbytes``; None for none) for work queued on
+        ``stream`` inside the block; the next user's stream waits for that work."""
         if nbytes == 0:
             yield None
             return
-        key = (device.index if device.index is not None else torch.cuda.current_device(), algorithm)
+        key = device.index if device.index is not None else torch.cuda.current_device()
         with self._lock:
             last = self._last.get(key)
             if last is not None:
@@ -206,7 +204,6 @@ class BatchedCodec:
         if algorithm is None:
             raise ValueError(f"codec {name!r} does not run through nvCOMP")
         self.name = name
-        self.algorithm: str = algorithm
         self.chunk_bytes = chunk_bytes
         c = _C_NAMES[algorithm]
         type_code = TYPE_CODES[data_type] if data_type is not None else 0
@@ -257,7 +254,7 @@ class BatchedCodec:
             table = _device_table(src.device, src.data_ptr() + src_offsets, sizes, dst.data_ptr() + dst_offsets)
             out = torch.empty((2, n), dtype=torch.int64, device=src.device)
             temp_bytes = self.compress_temp_bytes(n, int(sizes.sum()), stream.cuda_stream)
-            with WORKSPACES.use(src.device, self.algorithm, temp_bytes, stream) as temp:
+            with WORKSPACES.use(src.device, temp_bytes, stream) as temp:
                 status = self._compress(table[0].data_ptr(), table[1].data_ptr(), self.chunk_bytes, n, _ptr(temp),
                                         temp_bytes, table[2].data_ptr(), out[0].data_ptr(), self._compress_opts,
                                         out[1].data_ptr(), stream.cuda_stream)
@@ -278,7 +275,7 @@ class BatchedCodec:
                                   dst.data_ptr() + dst_offsets)
             out = torch.empty((2, n), dtype=torch.int64, device=src.device)
             temp_bytes = self.decompress_temp_bytes(n, int(capacities.sum()), stream.cuda_stream)
-            with WORKSPACES.use(src.device, self.algorithm, temp_bytes, stream) as work:
+            with WORKSPACES.use(src.device, temp_bytes, stream) as work:
                 status = self._decompress(table[0].data_ptr(), table[1].data_ptr(), table[2].data_ptr(),
                                           out[0].data_ptr(), n, _ptr(work), temp_bytes, table[3].data_ptr(),
                                           self._decompress_opts, out[1].data_ptr(), stream.cuda_stream)

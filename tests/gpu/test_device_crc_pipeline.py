@@ -63,7 +63,7 @@ def _records(enc: ItemEncoder, sd: dict[str, torch.Tensor]) -> dict[str, bytes]:
 @pytest.mark.parametrize("codec", ["auto", "zstd", "none"])
 def test_device_checksums_give_the_host_checksums_records(codec: str, monkeypatch: pytest.MonkeyPatch) -> None:
     sd = _state(n_small=50)
-    small = GpuConfig(gpu_memory_bytes=bound_with_room(codec, 64 * MiB), pinned_memory_bytes=32 * MiB)  # many buckets
+    small = GpuConfig(gpu_memory_bytes=bound_with_room(codec, 64 * MiB, 32 * MiB), pinned_memory_bytes=32 * MiB)  # many buckets
     enc = ItemEncoder(EncodeConfig(codec=codec), small)
     try:
         on_device = _records(enc, sd)

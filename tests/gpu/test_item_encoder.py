@@ -53,7 +53,7 @@ def make_encoder() -> Iterator[Any]:
     def make(codec: str = "auto", chunk_bytes: int = 65536, gpu: GpuConfig | None = None) -> ItemEncoder:
         _needs_cpu_decoder(codec)  # the records are checked by decoding them on the CPU
         enc = ItemEncoder(EncodeConfig(codec=codec, chunk_bytes=chunk_bytes, codec_threads=2),
-                          gpu or GpuConfig(gpu_memory_bytes=bound_with_room(codec, 256 * MiB, chunk_bytes),
+                          gpu or GpuConfig(gpu_memory_bytes=bound_with_room(codec, 256 * MiB, 64 * MiB, chunk_bytes),
                                            pinned_memory_bytes=64 * MiB))
         made.append(enc)
         return enc
@@ -161,7 +161,7 @@ def test_many_small_tensors_of_mixed_shapes_decode_on_the_cpu(
 
 def test_items_spanning_several_buckets(make_encoder: Any) -> None:
     """A small GPU budget splits big tensors across buckets (partial records are copied out)."""
-    enc = make_encoder("zstd", gpu=GpuConfig(gpu_memory_bytes=bound_with_room("zstd", 16 * MiB), pinned_memory_bytes=8 * MiB))
+    enc = make_encoder("zstd", gpu=GpuConfig(gpu_memory_bytes=bound_with_room("zstd", 16 * MiB, 8 * MiB), pinned_memory_bytes=8 * MiB))
     sd = {"big": weights_like((6 * MiB,), seed=5).to(CUDA), "mid": weights_like((3 * MiB,), torch.bfloat16, seed=6).to(CUDA),
           "small": torch.full((10,), 2.5, device=CUDA)}
     records = _collect(enc, sd.items())
