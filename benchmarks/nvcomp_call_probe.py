@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gc
 import shutil
 import statistics
 import time
@@ -140,6 +139,7 @@ def part_saves() -> list[dict[str, Any]]:
 
     import nvdcp
     from benchmarks import delta_bench
+    from benchmarks.delta_save_ab import timed
     from nvdcp.gpu import nvcomp_batch
     from nvdcp.gpu.config import GpuConfig
 
@@ -157,15 +157,6 @@ def part_saves() -> list[dict[str, Any]]:
     first, last = sorted(snaps)
     root = "/dev/shm/nvdcp-call-probe"
     rows = []
-
-    def timed(fn: Any) -> float:
-        gc.collect()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        return time.perf_counter() - t0
-
     try:
         for variant in ("fp32_adamw", "bf16_weights"):
             base, state = delta_bench.variant_state(variant, snaps[first]), delta_bench.variant_state(variant, snaps[last])
