@@ -3,7 +3,7 @@
 ``GpuConfig(gpu_memory_bytes=N)`` is the most GPU memory a save adds: the buckets' scratch
 (planes, compressed chunks, the bases of deltas) of every encoder writing at once, and the
 workspace nvCOMP asks for beside them (one per GPU, shared by those encoders:
-:class:`~nvdcp.gpu.nvcomp_batch.Workspaces`). nvCOMP's Zstd asks for 1.07-1.5 GiB, more the more
+:class:`~nvdcp.gpu.nvcomp_batch.Workspaces`). nvCOMP's Zstd asks for 1.07 GiB and more, the more
 chunks a call carries (``python -m benchmarks.nvcomp_call_probe --workspaces``), more than a small
 bound holds: a delta's top planes, which the auto choice gives Zstd, then get GDeflate (a
 plane of 100-3,000x under Zstd stores 7.75x under GDeflate type 0: the save stays within its

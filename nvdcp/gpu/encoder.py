@@ -711,7 +711,7 @@ class GpuEncoder:
         other on a side stream of its own, after the split and before what the bucket's stream
         queues next. A delta's sparse top planes go to Zstd, whose call takes milliseconds
         whatever it carries while leaving most of the GPU idle: GDeflate's call on the other
-        planes runs beside it (each algorithm has its own workspace, :class:`Workspaces`).
+        planes runs beside it (GDeflate asks for no workspace, so it never waits for Zstd's).
         The arena needs no ``record_stream``: the bucket's stream joins every side stream
         before anything frees it."""
         c = self.chunk_bytes

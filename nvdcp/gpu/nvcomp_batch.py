@@ -140,20 +140,20 @@ class Workspaces:
         if nbytes == 0:
             yield None
             return
-        key = device.index if device.index is not None else torch.cuda.current_device()
+        index = device.index if device.index is not None else torch.cuda.current_device()
         with self._lock:
-            last = self._last.get(key)
+            last = self._last.get(index)
             if last is not None:
                 stream.wait_event(last)
-            buffer = self._buffers.get(key)
+            buffer = self._buffers.get(index)
             if buffer is None or buffer.numel() < nbytes:
                 with torch.cuda.stream(stream):  # after every earlier user: the old memory is free to reuse
-                    self._buffers[key] = buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+                    self._buffers[index] = buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
             buffer.record_stream(stream)
             yield buffer
             done = torch.cuda.Event()
             done.record(stream)
-            self._last[key] = done
+            self._last[index] = done
 
     def release(self) -> None:
         """Drop every workspace (torch's allocator frees them once the work queued on them ran)."""
