@@ -710,7 +710,7 @@ class NvcompReader(StorageReader):
         on the device at once until they are combined, so its raw bytes times its levels stay
         within a quarter of a thread's GPU budget (cut as :func:`_batched` says). ``depths``:
         :meth:`_chain_depths`."""
-        budget = self._per_device(devices, indexes, lambda device: self.gpu.gpu_budget(device, load=True) // (4 * self.gpu_threads))
+        budget = self._per_device(devices, indexes, lambda device: self._gpu_scratch(device) // (4 * self.gpu_threads))
         sized = [(ix, devices[ix], self._expected_nbytes(ix) * (depths[ix] + 1)) for ix in indexes]
         batches = _batched(sized, budget, self.gpu_threads)
         return [(device, self._levels(items, depths)) for device, items in batches]
@@ -1022,17 +1022,25 @@ class NvcompReader(StorageReader):
         """GPU decode batches in flight at once: ``thread_count``, at most :data:`MAX_GPU_THREADS`."""
         return min(self.thread_count, MAX_GPU_THREADS)
 
+    def _gpu_scratch(self, device: torch.device) -> int:
+        """The load's GPU scratch on ``device``: its bound less nvCOMP's workspace share
+        (:func:`nvdcp.gpu.bound.load_bound`)."""
+        from nvdcp.gpu.bound import load_bound
+
+        return load_bound(self.gpu, device)[0]
+
     def _gpu_decoder(self, device: torch.device) -> Any:
+        from nvdcp.gpu.bound import load_bound
         from nvdcp.gpu.decoder import GpuDecoder
         from nvdcp.gpu.pinned import shared_pool
 
         cache = self._decoders.__dict__.setdefault("by_device", {})
         if device not in cache:
-            budget = self.gpu.gpu_budget(device, load=True) // self.gpu_threads
+            scratch, workspace = load_bound(self.gpu, device)
             cache[device] = GpuDecoder(
-                device, budget_bytes=budget, gdeflate_type=self.gpu.gdeflate_algorithm_type,
+                device, budget_bytes=scratch // self.gpu_threads, gdeflate_type=self.gpu.gdeflate_algorithm_type,
                 pinned_bytes=self.gpu.pinned_bytes(load=True) // self.gpu_threads,
-                pinned=shared_pool(self.gpu.pinned_bytes(load=True)),
+                pinned=shared_pool(self.gpu.pinned_bytes(load=True)), workspace_bytes=workspace,
             )
         return cache[device]
 
@@ -1301,7 +1309,7 @@ class NvcompReader(StorageReader):
         (:func:`_batched`). Destinations :meth:`_decode_devices` ``found`` for whole tensors
         ride with their batch (``devices`` and ``found`` by position)."""
         order_devices = [devices[p] for p in order]
-        budget = {device: self.gpu.gpu_budget(device, load=True) // (2 * self.gpu_threads)
+        budget = {device: self._gpu_scratch(device) // (2 * self.gpu_threads)
                   for device in set(order_devices) if device is not None}
         places = table.places(order)
         batches = _batched(list(zip(order, order_devices, map(itemgetter(2), places))), budget, self.gpu_threads)

@@ -10,6 +10,11 @@ plane of 100-3,000x under Zstd stores 7.75x under GDeflate type 0: the save stay
 bound and loads as any other). A save whose codec was set to ``"zstd"`` by the user is refused
 with a ``ValueError`` instead. Left at ``None``, the bound is the default scratch with the
 workspaces beside it (``GpuConfig.gpu_budget``).
+
+Loads (:func:`load_bound`): nvCOMP's Zstd decompression workspace grows with the chunks of a call
+(about 0.2 MiB a 64 KiB chunk: 49 MiB for 256, 795 MiB for 4,096 on an H200), so under a user's
+bound a quarter of it is set aside for the workspace and decode calls that would need more are
+split (:meth:`~nvdcp.gpu.nvcomp_batch.BatchedCodec.decompress`); the passes' scratch is the rest.
 """
 
 from __future__ import annotations
@@ -18,11 +23,26 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from nvdcp.gpu.config import GpuConfig
 from nvdcp.gpu.nvcomp_codecs import CodecCache, typed_data_type
 from nvdcp.pipeline.policy import GPU_AUTO_CODEC, Layout
 
 #: The least scratch a save leaves each of its concurrent encoders (``GpuConfig``'s own floor).
 MIN_SCRATCH_BYTES = 16 << 20
+#: The share of a user's load bound set aside for nvCOMP's decompression workspace: a pass of
+#: Zstd chunks then decodes in one or two calls (a chunk's workspace is about 1.5x its slots).
+LOAD_WORKSPACE_SHARE = 4
+
+
+def load_bound(gpu: GpuConfig, device: torch.device) -> tuple[int, int | None]:
+    """A load's GPU scratch on ``device`` and the most workspace its decode calls may use
+    (None: what nvCOMP asks for, beside the scratch; the default when no bound is set)."""
+    if gpu.gpu_memory_bytes is None:
+        return gpu.gpu_budget(device, load=True), None
+    workspace = gpu.gpu_memory_bytes // LOAD_WORKSPACE_SHARE
+    return gpu.gpu_memory_bytes - workspace, workspace
 
 
 @dataclass(frozen=True)

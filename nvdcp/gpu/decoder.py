@@ -218,8 +218,12 @@ class GpuDecoder:
     """Decodes container records into raw element bytes on one device (one per thread)."""
 
     def __init__(self, device: torch.device, *, budget_bytes: int, gdeflate_type: int = 0,
-                 pinned_bytes: int = 512 << 20, pinned: PinnedPool | None = None) -> None:
+                 pinned_bytes: int = 512 << 20, pinned: PinnedPool | None = None,
+                 workspace_bytes: int | None = None) -> None:
         self.device = device
+        #: the most nvCOMP workspace a decode call may use (a user's GPU bound: calls that would
+        #: need more are split, see :meth:`BatchedCodec.decompress`); None: whatever it asks for
+        self.workspace_bytes = workspace_bytes
         self._cuda = device.type == "cuda"
         #: Pinned staging buffers (the reader passes a pool its decoders share).
         self.pinned = pinned if pinned is not None else PinnedPool(pinned_bytes)
@@ -697,7 +701,7 @@ class GpuDecoder:
                 starts = ks * p.stride
                 try:
                     result = cache.get(name, data_type).decompress(src_buf, starts, p.stored[ks], dst_buf, starts,
-                                                                   p.raw[ks], on)
+                                                                   p.raw[ks], on, temp_limit=self.workspace_bytes)
                 except NvcompCallError as exc:  # refused at launch (a stream's own faults come back per chunk)
                     raise CorruptCheckpointError(f"{p.owners.all()}: nvCOMP {name} decode failed: {exc}") from exc
                 p.decoded.append((name, ks, result))

@@ -97,6 +97,8 @@ def _function(name: str, argtypes: list[Any]) -> Any:
 
 _P, _N = ctypes.c_void_p, ctypes.c_size_t
 _SIZE_OUT = ctypes.POINTER(ctypes.c_size_t)
+#: More chunks than any call carries (the search of :meth:`BatchedCodec.chunks_within` stops here).
+_MAX_CALL_CHUNKS = 1 << 20
 
 
 class Workspaces:
@@ -218,6 +220,7 @@ class BatchedCodec:
             chunk_bytes, self._compress_opts, ctypes.byref(bound)), f"{c} GetMaxOutputChunkSize")
         #: upper bound of one compressed chunk, rounded up to 16 bytes (never below a raw chunk)
         self.max_output = max(chunk_bytes, -(-int(bound.value) // 16) * 16)
+        self._within: dict[int, int] = {}  # chunks_within's answers
 
     def _check_sizes(self, sizes: np.ndarray) -> None:
         """nvCOMP is told every chunk holds at most ``chunk_bytes``: a larger one would be
@@ -261,25 +264,66 @@ class BatchedCodec:
             _check(status, f"{self.name} compress")
             return _result_to_host(out, stream, n)
 
+    def chunks_within(self, temp_limit: int) -> int:
+        """The most chunks one decompress call may carry with a workspace of at most
+        ``temp_limit`` bytes (0: not even one). nvCOMP's Zstd asks for about 0.2 MiB a 64 KiB
+        chunk (795 MiB for 4,096 on an H200), so a load under a GPU bound splits its calls."""
+        known = self._within.get(temp_limit)
+        if known is not None:
+            return known
+        lo, hi = 0, 1
+        while hi < _MAX_CALL_CHUNKS and self.decompress_temp_bytes(hi, hi * self.chunk_bytes) <= temp_limit:
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:  # decompress_temp_bytes(lo) fits; hi does not, or is past the cap
+            mid = (lo + hi) // 2
+            if self.decompress_temp_bytes(mid, mid * self.chunk_bytes) <= temp_limit:
+                lo = mid
+            else:
+                hi = mid
+        self._within[temp_limit] = lo
+        return lo
+
     def decompress(self, src: torch.Tensor, src_offsets: np.ndarray, sizes: np.ndarray, dst: torch.Tensor,
-                   dst_offsets: np.ndarray, capacities: np.ndarray, stream: torch.cuda.Stream) -> BatchResult:
+                   dst_offsets: np.ndarray, capacities: np.ndarray, stream: torch.cuda.Stream,
+                   temp_limit: int | None = None) -> BatchResult:
         """Queue on ``stream`` the decompression of chunk ``i`` (``sizes[i]`` bytes at
         ``src_offsets[i]`` of ``src``) into ``dst`` at ``dst_offsets[i]`` (room for
-        ``capacities[i]`` bytes). The decompressed sizes and statuses come back in the result."""
+        ``capacities[i]`` bytes). The decompressed sizes and statuses come back in the result.
+
+        ``temp_limit``: the most workspace bytes to use (a user's GPU bound): chunks that would
+        need more go in several calls, one after another on ``stream``.
+
+        Raises:
+            ValueError: ``temp_limit`` is below what one chunk needs.
+        """
         n = len(sizes)
         self._check_sizes(capacities)
         if n == 0:
             return _no_chunks()
+        per_call = n
+        if temp_limit is not None and self.decompress_temp_bytes(n, int(capacities.sum())) > temp_limit:
+            per_call = min(n, self.chunks_within(temp_limit))
+            if per_call == 0:
+                need = self.decompress_temp_bytes(1, self.chunk_bytes)
+                raise ValueError(f"{self.name}: nvCOMP's decompression workspace for one chunk of {self.chunk_bytes} "
+                                 f"bytes is {need} bytes, more than the {temp_limit} the GPU bound leaves it")
         with torch.cuda.stream(stream):
             table = _device_table(src.device, src.data_ptr() + src_offsets, sizes, capacities,
                                   dst.data_ptr() + dst_offsets)
             out = torch.empty((2, n), dtype=torch.int64, device=src.device)
-            temp_bytes = self.decompress_temp_bytes(n, int(capacities.sum()), stream.cuda_stream)
+            # split: room for any call of per_call chunks (none holds more than chunk_bytes each)
+            total = int(capacities.sum()) if per_call == n else per_call * self.chunk_bytes
+            temp_bytes = self.decompress_temp_bytes(per_call, total, stream.cuda_stream)
             with WORKSPACES.use(src.device, temp_bytes, stream) as work:
-                status = self._decompress(table[0].data_ptr(), table[1].data_ptr(), table[2].data_ptr(),
-                                          out[0].data_ptr(), n, _ptr(work), temp_bytes, table[3].data_ptr(),
-                                          self._decompress_opts, out[1].data_ptr(), stream.cuda_stream)
-            _check(status, f"{self.name} decompress")
+                for first in range(0, n, per_call):
+                    count = min(per_call, n - first)
+                    # the call's rows of the table and of the outputs (statuses: int32 in row 1's bytes)
+                    at8 = 8 * first
+                    status = self._decompress(table[0].data_ptr() + at8, table[1].data_ptr() + at8,
+                                              table[2].data_ptr() + at8, out[0].data_ptr() + at8, count, _ptr(work),
+                                              temp_bytes, table[3].data_ptr() + at8, self._decompress_opts,
+                                              out[1].data_ptr() + 4 * first, stream.cuda_stream)
+                    _check(status, f"{self.name} decompress")
             return _result_to_host(out, stream, n)
 
 

@@ -88,6 +88,26 @@ def test_items_larger_than_the_gpu_budget(tmp_path: Path) -> None:
         assert bit_equal(out[k].cpu(), sd[k].cpu()), k
 
 
+def test_a_load_under_a_gpu_bound_holds_nvcomps_zstd_workspace_within_it(tmp_path: Path) -> None:
+    """Zstd's decode workspace grows with the chunks of a call (about 0.2 MiB a 64 KiB chunk):
+    under ``gpu_memory_bytes`` a load sets a quarter aside for it and splits its calls."""
+    from nvdcp.gpu.nvcomp_batch import WORKSPACES
+
+    sd = {"w": weights_like((96 << 20) // 4,).to(CUDA), "b": weights_like((40 << 20) // 2, seed=1).bfloat16().to(CUDA)}
+    dcp.save(sd, storage_writer=nvdcp.NvcompWriter(tmp_path, codec="zstd"))
+    bound = 24 << 20
+    out = _zeros_like(sd, CUDA)
+    WORKSPACES.release()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    dcp.load(out, storage_reader=nvdcp.NvcompReader(tmp_path, gpu=GpuConfig(gpu_memory_bytes=bound)))
+    peak_extra = torch.cuda.max_memory_allocated() - base
+    assert peak_extra <= bound + (1 << 20), peak_extra  # + the calls' chunk tables and results (KiB each)
+    for k in sd:
+        assert bit_equal(out[k].cpu(), sd[k].cpu()), k
+
+
 def test_many_small_tensors_batch(tmp_path: Path) -> None:
     sd = {f"p{i}": weights_like((16 + i % 50, 33), seed=i).to(CUDA) for i in range(2000)}
     dcp.save(sd, storage_writer=nvdcp.NvcompWriter(tmp_path))

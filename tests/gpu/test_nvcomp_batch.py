@@ -213,6 +213,47 @@ def test_a_zstd_call_and_a_gdeflate_call_on_two_streams_compress_as_they_do_alon
     assert WORKSPACES.nbytes() == 0
 
 
+def test_chunks_within_is_the_largest_call_whose_workspace_fits() -> None:
+    """A load under a GPU bound splits its Zstd decode calls at this count (host-only queries)."""
+    pytest.importorskip("nvidia.libnvcomp")
+    codec = BatchedCodec("zstd", None, C)
+
+    def temp(k: int) -> int:
+        return codec.decompress_temp_bytes(k, k * C)
+
+    for limit in (temp(1), 12 * MiB, temp(300) + 1):
+        k = codec.chunks_within(limit)
+        assert k >= 1 and temp(k) <= limit < temp(k + 1), (limit, k)
+    assert codec.chunks_within(temp(1) - 1) == 0
+
+
+@pytest.mark.gpu
+def test_a_decode_under_a_workspace_limit_is_split_into_calls_that_fit() -> None:
+    from nvdcp.gpu.nvcomp_batch import WORKSPACES
+
+    dev = torch.device("cuda", 0)
+    stream = torch.cuda.Stream(dev)
+    n = 64
+    data = _chunks(torch.float32, n).to(dev)
+    sizes = np.full(n, C, dtype=np.int64)
+    codec = BatchedCodec("zstd", None, C)
+    cap = codec.max_output
+    packed = torch.zeros(n * cap, dtype=torch.uint8, device=dev)
+    stored = codec.compress(data, np.arange(n) * C, sizes, packed, np.arange(n) * cap, stream).sizes().copy()
+    limit = codec.decompress_temp_bytes(20, 20 * C)
+    assert codec.chunks_within(limit) == 20 and codec.decompress_temp_bytes(n, n * C) > limit
+    WORKSPACES.release()
+    with WORKSPACES.held():
+        back = torch.full((n * C,), 0xEE, dtype=torch.uint8, device=dev)
+        result = codec.decompress(packed, np.arange(n) * cap, stored, back, np.arange(n) * C, sizes, stream,
+                                  temp_limit=limit)
+        assert result.sizes().tolist() == sizes.tolist() and not len(result.failed())
+        assert 0 < WORKSPACES.nbytes() <= limit
+    assert torch.equal(back.cpu(), data.cpu())
+    with pytest.raises(ValueError, match=r"zstd: nvCOMP's decompression workspace for one chunk"):
+        codec.decompress(packed, np.arange(n) * cap, stored, back, np.arange(n) * C, sizes, stream, temp_limit=1024)
+
+
 def test_a_batch_of_no_chunks_queues_nothing() -> None:
     pytest.importorskip("nvidia.libnvcomp")
     codec = BatchedCodec("zstd", None, C)
