@@ -41,7 +41,8 @@ class _FakeCodec:
         self.name = name
 
     def decompress(self, src: torch.Tensor, src_offsets: np.ndarray, sizes: np.ndarray, dst: torch.Tensor,
-                   dst_offsets: np.ndarray, capacities: np.ndarray, stream: Any) -> _FakeResult:
+                   dst_offsets: np.ndarray, capacities: np.ndarray, stream: Any,
+                   temp_limit: int | None = None) -> _FakeResult:
         from nvdcp.codecs import cpu_codec
 
         _FakeCodec.calls += 1
