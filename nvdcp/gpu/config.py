@@ -23,9 +23,10 @@ class GpuConfig:
 
     Args:
         gpu_memory_bytes: the most GPU memory a save or load may add: its scratch (planes,
-            compressed chunks, staging, the bases of deltas) and, for saves, nvCOMP's workspaces
-            (:mod:`nvdcp.gpu.bound`: under a bound too small for Zstd's 1.07 GiB workspace a
-            delta's top planes get GDeflate, and ``codec="zstd"`` is refused). ``None``: a
+            compressed chunks, staging, the bases of deltas) and nvCOMP's workspaces
+            (:mod:`nvdcp.gpu.bound`: under a bound too small for Zstd's 1.07 GiB compression
+            workspace a delta's top planes get GDeflate, and ``codec="zstd"`` is refused; loads
+            set a quarter aside for decompression and split calls to fit it). ``None``: a
             scratch of 1 GiB or 5% of the free GPU memory for saves, whichever is smaller, with
             the workspaces beside it; for loads 8 GiB or 10% of the free memory (load passes are bound by their
             per-pass host work: larger passes measured 6.4 -> 17.3 GB/s on an H200,
