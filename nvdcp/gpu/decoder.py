@@ -43,7 +43,7 @@ from nvdcp.format.header import MAX_PLANES, TRANSFORM_BYTEPLANES, ItemHeader
 from nvdcp.gpu import crc32c
 from nvdcp.gpu.columns import RecordColumns
 from nvdcp.gpu.merge import PLANE_COUNTS, merge_available, merge_rows
-from nvdcp.gpu.nvcomp_batch import WORKSPACES, BatchResult, NvcompCallError
+from nvdcp.gpu.nvcomp_batch import WORKSPACES, BatchResult, NvcompCallError, side_streams_on
 from nvdcp.gpu.nvcomp_codecs import CodecCache, typed_data_type
 from nvdcp.gpu.pinned import PinnedPool
 from nvdcp.pipeline.cpu_batch import copy_ranges
@@ -689,7 +689,7 @@ class GpuDecoder:
         beside its GDeflate planes); the decoder's stream joins them before the merge, and
         before anything frees the buffers."""
         cache = self._codec_cache(p.chunk_bytes)
-        start = self._event() if self._cuda and len(p.groups) > 1 else None
+        start = self._event() if self._cuda and len(p.groups) > 1 and side_streams_on() else None
         sides: list[Any] = []
         try:
             for i, ((name, data_type), ks) in enumerate(p.groups.items()):

@@ -39,7 +39,7 @@ from nvdcp.format.header_batch import HeaderFields, header_layout, header_of, pa
 from nvdcp.gpu import crc32c
 from nvdcp.gpu.bound import SaveBound, fit_scratch
 from nvdcp.gpu.merge import PLANE_COUNTS, merge_table, split_available, split_rows
-from nvdcp.gpu.nvcomp_batch import WORKSPACES, BatchResult, NvcompCallError
+from nvdcp.gpu.nvcomp_batch import WORKSPACES, BatchResult, NvcompCallError, side_streams_on
 from nvdcp.gpu.nvcomp_codecs import CodecCache, typed_data_type
 from nvdcp.gpu.pinned import PinnedPool
 from nvdcp.pipeline.cpu import EncodedItem, layout_codec_ids
@@ -719,10 +719,11 @@ class GpuEncoder:
         split = torch.cuda.Event()
         split.record(stream)
         sides: list[torch.cuda.Stream] = []
+        apart = side_streams_on()
         try:
             for i, (grp, (name, data_type)) in enumerate(zip(groups, keys)):
                 on = stream
-                if i:
+                if i and apart:
                     on = self._side_stream(parity, i)
                     on.wait_event(split)
                     sides.append(on)

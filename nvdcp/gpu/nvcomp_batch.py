@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import os
 import struct
 import threading
 from collections.abc import Iterator
@@ -99,6 +100,12 @@ _P, _N = ctypes.c_void_p, ctypes.c_size_t
 _SIZE_OUT = ctypes.POINTER(ctypes.c_size_t)
 #: More chunks than any call carries (the search of :meth:`BatchedCodec.chunks_within` stops here).
 _MAX_CALL_CHUNKS = 1 << 20
+
+
+def side_streams_on() -> bool:
+    """Whether a bucket's or a pass's codec groups after the first run on side streams (the
+    default); ``NVDCP_SIDE_STREAMS=0`` queues them all on one stream, for A/B runs."""
+    return os.environ.get("NVDCP_SIDE_STREAMS", "1") != "0"
 
 
 class Workspaces:
