@@ -221,6 +221,11 @@ def test_chunks_within_is_the_largest_call_whose_workspace_fits() -> None:
     def temp(k: int) -> int:
         return codec.decompress_temp_bytes(k, k * C)
 
+    try:
+        temp(1)
+    except nvcomp_batch.NvcompCallError:
+        pytest.skip("this nvCOMP build asks the GPU for its decompression workspace size")
+
     for limit in (temp(1), 12 * MiB, temp(300) + 1):
         k = codec.chunks_within(limit)
         assert k >= 1 and temp(k) <= limit < temp(k + 1), (limit, k)

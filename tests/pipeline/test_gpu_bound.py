@@ -1,4 +1,4 @@
-"""The GPU save bound's decisions (nvdcp.gpu.bound), on any machine.
+"""The GPU bounds' decisions (nvdcp.gpu.bound), saves and loads, on any machine.
 
 nvCOMP's workspace query needs a GPU, so here a stand-in answers it with the sizes measured on
 the H100 and H200 (Zstd 1,074 MiB plus about 0.1 MiB a chunk; GDeflate none). The real query
@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from nvdcp.gpu.bound import MIN_SCRATCH_BYTES, SaveBound, codec_keys, fit_scratch, without_zstd
+from nvdcp.gpu.bound import MIN_SCRATCH_BYTES, SaveBound, codec_keys, fit_scratch, load_bound, without_zstd
+from nvdcp.gpu.config import GpuConfig
 from nvdcp.pipeline.policy import TRANSFORM_BYTEPLANES, Layout
 
 MiB = 1 << 20
@@ -76,3 +77,8 @@ def test_each_concurrent_encode_needs_its_floor_of_scratch() -> None:
     assert fit_scratch(jobs, SaveBound(reserve + MIN_SCRATCH_BYTES, shares=4), _Codecs(), 256) \
         == (reserve + MIN_SCRATCH_BYTES) // 4
     assert "zstd" not in jobs[0].layout.plane_codecs
+
+
+def test_a_load_under_a_bound_keeps_a_quarter_of_it_for_the_decompression_workspace() -> None:
+    scratch, workspace = load_bound(GpuConfig(gpu_memory_bytes=100 * MiB), torch.device("cuda", 0))
+    assert workspace == 25 * MiB and scratch + workspace == 100 * MiB
