@@ -2,6 +2,8 @@
 # One call on the GPU device machine: install the carried wheels, run the GPU test suite (and the
 # CPU suite under the device's torch), write GPU-made golden checkpoints, run the GPU benchmark.
 #   run(command="bash benchmarks/device_run.sh [--small]", carry=[".whl"])
+# .whl: ../shared/tools/device-wheels.sh crc32c cffi pycparser (nvCOMP, zstandard, the CRC32C
+# fallback, and zstandard's cffi backend, whose literal-only frames tests/gpu decodes).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
