@@ -55,7 +55,7 @@ def _stub_device() -> None:
 
     class _Codec:
         def decompress(self, src: Any, src_offsets: Any, sizes: Any, dst: Any, dst_offsets: Any, capacities: Any,
-                       stream: Any) -> _Result:
+                       stream: Any, temp_limit: int | None = None) -> _Result:
             return _Result(capacities)
 
     class _Codecs:
