@@ -395,25 +395,6 @@ class _Launched:
     groups: list[_Group]
     encoded: torch.cuda.Event | None = None  # recorded after the bucket's encode calls
     jobs: list[GpuJob] = field(default_factory=list)  # the save's jobs (the bucket's segments index them)
-    keys: list[tuple[str, str | None]] = field(default_factory=list)  # each group's codec
-    split: torch.cuda.Event | None = None  # recorded once the slots hold the planes
-    deferred: int | None = None  # the group whose call waits for the next bucket's (ZstdPairs)
-
-
-def zstd_pairs_on() -> bool:
-    """Whether the Zstd groups of consecutive buckets are compressed in one call
-    (``NVDCP_ZSTD_PAIRS=1``; off by default until measured on the device). A Zstd call takes
-    about as long whether it carries 64 or 1,024 chunks, and the calls of successive buckets
-    run one after another (they share one workspace): one call for two buckets halves them."""
-    return os.environ.get("NVDCP_ZSTD_PAIRS", "0") == "1"
-
-
-class ZstdPairs:
-    """The bucket of a save whose Zstd group waits to be compressed with the next bucket's
-    (:meth:`GpuEncoder._compress_groups`); one per pass over a save's buckets."""
-
-    def __init__(self) -> None:
-        self.pending: _Launched | None = None
 
 
 class _PooledSink:
@@ -546,8 +527,7 @@ class GpuEncoder:
         (which may give auto-chosen Zstd planes GDeflate: :func:`~nvdcp.gpu.bound.fit_scratch`)."""
         if self.bound is None:
             return self.bucket_budget
-        calls_of = 2 if zstd_pairs_on() else 1  # a paired Zstd call carries two buckets' chunks
-        scratch = fit_scratch(jobs, self.bound, self.codecs, calls_of * self.max_slots_for(depth))
+        scratch = fit_scratch(jobs, self.bound, self.codecs, self.max_slots_for(depth))
         return max(scratch // 2, 64 * self.chunk_bytes)
 
     def _plan(self, jobs: list[GpuJob], depth: int = 2) -> list[_Bucket]:
@@ -701,7 +681,7 @@ class GpuEncoder:
             sizes[key] += job.nbytes
         yield from (run for run in runs.values() if run)
 
-    def _launch(self, jobs: list[GpuJob], bucket: _Bucket, parity: int, pairs: ZstdPairs | None = None) -> _Launched:
+    def _launch(self, jobs: list[GpuJob], bucket: _Bucket, parity: int) -> _Launched:
         stream = self.streams[parity]
         c, g = self.chunk_bytes, self.granule
         raw_sizes, slot_key, keys = self._slot_table(jobs, bucket)
@@ -720,83 +700,39 @@ class GpuEncoder:
             # output slots keep records byte-reproducible and no stale device memory in a file.
             arena[bucket.slots * c :].zero_()
             self._split_planes(jobs, bucket, slots)
-            launched = _Launched(bucket, stream, arena, raw_sizes, groups, None, jobs, keys)
-            self._compress_groups(launched, parity, pairs)
-            launched.encoded = torch.cuda.Event()
-            launched.encoded.record(stream)
-        return launched
+            self._compress_groups(arena, raw_sizes, groups, keys, parity)
+            encoded = torch.cuda.Event()
+            encoded.record(stream)
+        return _Launched(bucket, stream, arena, raw_sizes, groups, encoded, jobs)
 
-    def _compress_groups(self, launched: _Launched, parity: int, pairs: ZstdPairs | None = None) -> None:
+    def _compress_groups(self, arena: torch.Tensor, raw_sizes: np.ndarray, groups: list[_Group],
+                         keys: list[tuple[str, str | None]], parity: int) -> None:
         """Queue one nvCOMP call per codec group, the first on the bucket's stream and each
         other on a side stream of its own, after the split and before what the bucket's stream
         queues next. A delta's sparse top planes go to Zstd, whose call takes milliseconds
         whatever it carries while leaving most of the GPU idle: GDeflate's call on the other
         planes runs beside it (GDeflate asks for no workspace, so it never waits for Zstd's).
         The arena needs no ``record_stream``: the bucket's stream joins every side stream
-        before anything frees it. With ``pairs``, a Zstd group waits for the next bucket's and
-        both go in one call (:meth:`_compress_pair`; :meth:`_flush` sends one that waits alone)."""
-        stream = launched.stream
-        launched.split = split = torch.cuda.Event()
+        before anything frees it."""
+        c = self.chunk_bytes
+        stream = self.streams[parity]
+        split = torch.cuda.Event()
         split.record(stream)
         sides: list[torch.cuda.Stream] = []
         apart = side_streams_on()
         try:
-            for i, key in enumerate(launched.keys):
+            for i, (grp, (name, data_type)) in enumerate(zip(groups, keys)):
                 on = stream
                 if i and apart:
                     on = self._side_stream(parity, i)
                     on.wait_event(split)
                     sides.append(on)
-                if pairs is not None and key[0] == "zstd":
-                    prev = pairs.pending
-                    if prev is None or prev.deferred is None or prev.keys[prev.deferred] != key:
-                        launched.deferred, pairs.pending = i, launched
-                        continue
-                    self._compress_pair(prev, launched, i, on)
-                    pairs.pending = None
-                    continue
-                self._compress_group(launched, i, on)
+                out_offsets = grp.base + np.arange(len(grp.ids), dtype=np.int64) * grp.cap
+                grp.result = self.codecs.get(name, data_type).compress(
+                    arena, grp.ids * c, raw_sizes[grp.ids], arena, out_offsets, on)
         finally:  # also when a call was refused: nothing frees the arena under a side stream's work
             for side in sides:
                 stream.wait_stream(side)
-
-    def _compress_group(self, launched: _Launched, i: int, on: torch.cuda.Stream) -> None:
-        grp, c = launched.groups[i], self.chunk_bytes
-        out_offsets = grp.base + np.arange(len(grp.ids), dtype=np.int64) * grp.cap
-        grp.result = self.codecs.get(*launched.keys[i]).compress(
-            launched.arena, grp.ids * c, launched.raw_sizes[grp.ids], launched.arena, out_offsets, on)
-
-    def _compress_pair(self, prev: _Launched, cur: _Launched, i: int, on: torch.cuda.Stream) -> None:
-        """One call for ``prev``'s deferred group and ``cur``'s group ``i`` (same codec), queued
-        on ``on`` after both buckets' splits; ``prev``'s stream waits for it before it packs
-        (and so before its arena can be reused)."""
-        assert prev.deferred is not None and prev.split is not None
-        j, c = prev.deferred, self.chunk_bytes
-        first, second = prev.groups[j], cur.groups[i]
-        on.wait_event(prev.split)
-
-        def addresses(launched: _Launched, grp: _Group) -> tuple[np.ndarray, np.ndarray]:
-            base = launched.arena.data_ptr()
-            return base + grp.ids * c, base + grp.base + np.arange(len(grp.ids), dtype=np.int64) * grp.cap
-
-        (src_a, dst_a), (src_b, dst_b) = addresses(prev, first), addresses(cur, second)
-        result = self.codecs.get(*cur.keys[i]).compress_at(
-            self.device, np.concatenate([src_a, src_b]),
-            np.concatenate([prev.raw_sizes[first.ids], cur.raw_sizes[second.ids]]),
-            np.concatenate([dst_a, dst_b]), on)
-        first.result, second.result = result.part(0, len(first.ids)), result.part(len(first.ids), len(second.ids))
-        done = torch.cuda.Event()
-        done.record(on)
-        prev.stream.wait_event(done)
-        prev.deferred = None
-
-    def _flush(self, launched: _Launched, pairs: ZstdPairs | None) -> None:
-        """Send ``launched``'s deferred group alone (no next bucket took it), on its stream."""
-        if launched.deferred is not None:
-            self._compress_group(launched, launched.deferred, launched.stream)
-            launched.deferred = None
-        if pairs is not None and pairs.pending is launched:
-            pairs.pending = None
 
     def _side_stream(self, parity: int, group: int) -> torch.cuda.Stream:
         key = (parity, group)
@@ -844,16 +780,13 @@ class GpuEncoder:
             for s in self.streams:
                 s.wait_event(ready)
         prev: _Launched | None = None
-        pairs = ZstdPairs() if zstd_pairs_on() else None
         with WORKSPACES.held():
             for k, bucket in enumerate(self._plan(jobs, depth)):
-                cur = self._launch(jobs, bucket, k % 2, pairs)
+                cur = self._launch(jobs, bucket, k % 2)
                 if prev is not None:
-                    self._flush(prev, pairs)  # its Zstd group, if the bucket after it had none to pair
                     yield self._to_host(prev, sink)
                 prev = cur
             if prev is not None:
-                self._flush(prev, pairs)
                 yield self._to_host(prev, sink)
 
     # -- host work -----------------------------------------------------------------------------

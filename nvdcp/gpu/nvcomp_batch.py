@@ -188,24 +188,18 @@ class BatchResult:
     host: torch.Tensor  # (2, n) int64: sizes, then the statuses as int32 in the second row's bytes
     done: Any  # event recorded after the copy
     count: int
-    first: int = 0  # of a part (:meth:`part`): its first chunk in the call
-
-    def part(self, first: int, count: int) -> BatchResult:
-        """The result of chunks ``first .. first + count - 1`` of the call, as a result of its own
-        (one call compressed several owners' chunks)."""
-        return BatchResult(self.host, self.done, count, self.first + first)
 
     def sizes(self) -> np.ndarray:
         """Each chunk's output bytes (int64), once the call has run."""
         self.done.synchronize()
-        return self.host[0].numpy()[self.first : self.first + self.count]
+        return self.host[0].numpy()
 
     def failed(self) -> np.ndarray:
         """Indices of the chunks whose status is not ``nvcompSuccess`` (after :meth:`sizes`)."""
-        return np.flatnonzero(self.host[1].numpy().view(np.int32)[self.first : self.first + self.count])
+        return np.flatnonzero(self.host[1].numpy().view(np.int32)[: self.count])
 
     def status_text(self, chunk: int) -> str:
-        status = int(self.host[1].numpy().view(np.int32)[self.first + chunk])
+        status = int(self.host[1].numpy().view(np.int32)[chunk])
         return f"status {status} ({library().nvcompGetStatusString(status).decode(errors='replace')})"
 
 
@@ -262,21 +256,15 @@ class BatchedCodec:
         """Queue on ``stream`` the compression of chunk ``i`` (``sizes[i]`` bytes at byte
         ``src_offsets[i]`` of flat uint8 ``src``) into ``dst`` at ``dst_offsets[i]``, each with
         room for :attr:`max_output` bytes. The compressed sizes come back in the result."""
-        return self.compress_at(src.device, src.data_ptr() + src_offsets, sizes, dst.data_ptr() + dst_offsets, stream)
-
-    def compress_at(self, device: torch.device, src_addresses: np.ndarray, sizes: np.ndarray,
-                    dst_addresses: np.ndarray, stream: torch.cuda.Stream) -> BatchResult:
-        """:meth:`compress` given each chunk's device address and its output's (int64): one call
-        may take chunks of several buffers (the GPU encoder pairs two buckets' Zstd chunks)."""
         n = len(sizes)
         self._check_sizes(sizes)
         if n == 0:
             return _no_chunks()
         with torch.cuda.stream(stream):
-            table = _device_table(device, src_addresses, sizes, dst_addresses)
-            out = torch.empty((2, n), dtype=torch.int64, device=device)
+            table = _device_table(src.device, src.data_ptr() + src_offsets, sizes, dst.data_ptr() + dst_offsets)
+            out = torch.empty((2, n), dtype=torch.int64, device=src.device)
             temp_bytes = self.compress_temp_bytes(n, int(sizes.sum()), stream.cuda_stream)
-            with WORKSPACES.use(device, temp_bytes, stream) as temp:
+            with WORKSPACES.use(src.device, temp_bytes, stream) as temp:
                 status = self._compress(table[0].data_ptr(), table[1].data_ptr(), self.chunk_bytes, n, _ptr(temp),
                                         temp_bytes, table[2].data_ptr(), out[0].data_ptr(), self._compress_opts,
                                         out[1].data_ptr(), stream.cuda_stream)

@@ -159,45 +159,6 @@ def test_gpu_delta_planes_get_zstd_where_they_compressed_past_gdeflates_reach(tm
         _load(tmp_path / f"s{i}", torch.device("cpu"), saved[i])
 
 
-def _record(path: Path, fqn: str) -> bytes:
-    file, offset, length = item_span(path, fqn)
-    with open(file, "rb") as f:
-        f.seek(offset)
-        return f.read(length)
-
-
-def test_zstd_groups_of_two_buckets_in_one_call_store_the_same_records(tmp_path: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """``NVDCP_ZSTD_PAIRS=1``: the Zstd chunks of consecutive buckets go to nvCOMP in one call
-    (fewer calls: each takes about as long whatever it carries), and every record is
-    byte-identical to the one a call per bucket stores; the chain loads bit-exact."""
-    from nvdcp.gpu.nvcomp_batch import BatchedCodec
-
-    calls: list[int] = []
-    real = BatchedCodec.compress_at
-
-    def counted(self: BatchedCodec, *args: Any, **kwargs: Any) -> Any:
-        if self.name == "zstd":
-            calls.append(len(args[2]))
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(BatchedCodec, "compress_at", counted)
-    gpu = GpuConfig(pinned_memory_bytes=16 << 20)  # buckets of 1 MiB of chunks: many per save
-    chains, counts = {}, {}
-    for pairs in ("0", "1"):
-        monkeypatch.setenv("NVDCP_ZSTD_PAIRS", pairs)
-        calls.clear()
-        chains[pairs] = _chain(tmp_path / f"pairs{pairs}", 3, nvdcp.DeltaPolicy(full_every=8), gpu)
-        counts[pairs] = list(calls)
-    assert sum(counts["1"]) == sum(counts["0"]) > 0  # the same chunks...
-    assert len(counts["1"]) < len(counts["0"]), counts  # ...in fewer calls
-    for (path0, _), (path1, expected) in zip(chains["0"], chains["1"]):
-        for fqn in ("w32", "w16", "ids", "big"):
-            assert _record(path1, fqn) == _record(path0, fqn), (path1.name, fqn)
-        _load(path1, CUDA, expected)
-        _load(path1, torch.device("cpu"), expected)
-
-
 def test_a_gpu_bound_below_zstds_workspace_holds_the_whole_delta_save(tmp_path: Path) -> None:
     """``gpu_memory_bytes`` bounds a save's scratch and nvCOMP's workspaces together: under 128
     MiB, where Zstd's 1.07 GiB workspace cannot fit, delta saves give their top planes GDeflate,
