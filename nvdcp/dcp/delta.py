@@ -340,9 +340,6 @@ class CacheEntry:
     dtype: torch.dtype
     shape: tuple[int, ...]
     save_id: str | None = None  # the save these bytes are from (None: being rewritten, or failed)
-    #: whether ``data`` holds save ``save_id``'s bytes; False while the item's delta is not to be
-    #: tried before the save after next (``skip``): the entry follows the saves without a copy
-    held: bool = True
     digest: int = 0  # that save's record digest of the item
     whole_nbytes: int | None = None  # the item's record size when last stored whole
     skip: int = 0  # saves left that store the item whole without trying a delta (it did not pay)
@@ -441,7 +438,7 @@ class BaseCache:
         with self._lock:
             entry = self.entries.get(index)
             if entry is not None and entry.data.numel() == nbytes:
-                entry.dtype, entry.shape, entry.held = dtype, shape, True  # the caller writes its bytes
+                entry.dtype, entry.shape = dtype, shape
                 return entry
             if entry is not None:
                 del self.entries[index]  # resharded: its old slot is lost until clear()
@@ -569,13 +566,9 @@ class DeltaSave:
         slot = self.cache is not None and self.keep_bytes
         device = self._slot_device(tensor)
         if hit is not None and hit.skip > 0:
-            hit.skip -= 1  # its delta did not pay lately: stored whole without a try
-            if hit.skip > 0 and slot:
-                return self._follow(hit, tensor)
+            hit.skip -= 1  # its delta did not pay lately: stored whole, its bytes still kept
             keep = self.cache.slot(index, nbytes, dtype, shape, self.pin, device) if slot and self.cache else None
-            return self._keep_only(tensor, keep)  # the next save tries it against these bytes
-        if hit is not None and not hit.held:
-            hit = None  # not tried since its bytes were last kept (never so when skips run out in order)
+            return self._keep_only(tensor, keep)
         base = hit.data if hit is not None else None  # GPU memory for a host tensor: the CPU encoder copies
         digest = hit.digest if hit is not None else None
         whole = hit.whole_nbytes if hit is not None else None
@@ -600,17 +593,6 @@ class DeltaSave:
         codecs = hit.delta_codecs if hit is not None else None
         return DeltaTensor(tensor, DeltaInput(base, digest, keep.data if keep else None, whole, self.min_gain, on_whole,
                                               codecs))
-
-    def _follow(self, entry: CacheEntry, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` stored as a full save stores it, its entry following this save without its
-        bytes: the next save does not try its delta either, so nothing reads them before the save
-        that keeps them (the last one of the skip). What that spares a delta save: AdamW's
-        exp_avg, a third of the fp32 state, mostly skips; its copy to the host cache and, on the
-        GPU, the run of per-item copies that keeping takes instead of a full save's split."""
-        entry.save_id, entry.held = None, False
-        with self._lock:
-            self._touched.append(entry)
-        return tensor
 
     def _keep_only(self, tensor: torch.Tensor, keep: CacheEntry | None) -> DeltaTensor | torch.Tensor:
         if keep is None:
@@ -672,7 +654,7 @@ class DeltaSave:
                 entry.failed_tries += 1
             else:
                 entry.failed_tries = 0
-        if entry.save_id is None and entry.held:  # its bytes are this save's
+        if entry.save_id is None:  # its bytes are this save's
             entry.digest = digest
             if whole_nbytes is not None:
                 entry.whole_nbytes = whole_nbytes
