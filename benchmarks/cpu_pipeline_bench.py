@@ -372,6 +372,8 @@ def profile(what: str, root: str, device: str, out: str | None) -> None:
     save_once("nvdcp", state, path)
     target = zeros_like_state(state)
     load_once("nvdcp", target, path)
+    if op == "save":
+        fresh_dir(path)  # the old checkpoint's removal is not the save's: outside the samples
     with StackSampler() as sampler:
         result = save_once("nvdcp", state, path) if op == "save" else load_once("nvdcp", target, path)
     summary = sampler.summary()
