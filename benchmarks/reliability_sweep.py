@@ -12,6 +12,10 @@ Sections (``--only crash,corruption,...`` runs a subset):
 - corruption: every byte of every data file of a small checkpoint per codec flipped (a random
   non-zero xor), every record boundary +-1 and random cuts as truncations, every byte of
   ``.metadata`` flipped; each loaded and verified.
+- chain: every byte of a delta checkpoint's data files and of its base's flipped, the delta
+  loaded and verified: damage in a record the load reads is named (the damaged checkpoint's
+  file, the item, the chunk) and found by ``verify_checkpoint`` down the chain; none returns
+  wrong tensors.
 - fuzz: the hypothesis targets of nvdcp/testing/fuzz_targets.py with many more examples,
   each in a worker with a capped address space.
 - gdeflate: mutated, random and truncated streams straight into the guarded CPU GDeflate decoder.
@@ -153,6 +157,39 @@ def corruption(root: Path, tiny: bool, workers: int) -> dict[str, Any]:
             "seconds": round(time.perf_counter() - started, 1),
         }
         print(f"corruption {codec}: {out[codec]['cases']} cases, {len(failures)} failures, "
+              f"{out[codec]['seconds']} s", flush=True)
+    return out
+
+
+def chain_corruption(root: Path, tiny: bool, workers: int) -> dict[str, Any]:
+    """Every byte of a delta checkpoint's data files and of its base's, flipped one at a time
+    (a random non-zero xor), the delta loaded and verified (``nvdcp.testing.damage.check_chain_flip``)."""
+    out: dict[str, Any] = {}
+    codecs = ["zstd"] + (["gdeflate"] if nvdcp.codecs.gdeflate.GDeflateCodec.available() else [])
+    for codec in codecs:
+        started = time.perf_counter()
+        src = root / f"chain-damage-{codec}"
+        _, delta, _ = D.save_delta_sample(src, codec)
+        rng = random.Random(codec)
+        cases = [(where.name, region, pos, rng.randrange(1, 256), read)
+                 for where, region, read in D.chain_regions(delta) for pos in range(region.start, region.stop)]
+        if tiny:
+            cases = rng.sample(cases, min(300, len(cases)))
+        rng.shuffle(cases)
+        ctx = F.context()
+        with ctx.Pool(workers) as pool:
+            parts = pool.starmap(D.run_chain_cases, [(str(src), cases[i::workers]) for i in range(workers)])
+        outcomes: Counter[str] = Counter()
+        failures: list[str] = []
+        for part in parts:
+            outcomes.update(part["outcomes"])
+            failures += part["failures"]
+        out[codec] = {
+            "cases": sum(p["cases"] for p in parts), "deltas": sorted(D.delta_items(delta)),
+            "outcomes": dict(sorted(outcomes.items())), "failures": failures[:50], "failure_count": len(failures),
+            "seconds": round(time.perf_counter() - started, 1),
+        }
+        print(f"chain corruption {codec}: {out[codec]['cases']} cases, {len(failures)} failures, "
               f"{out[codec]['seconds']} s", flush=True)
     return out
 
@@ -322,7 +359,7 @@ def disk(root: Path, tiny: bool) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="crash,corruption,fuzz,gdeflate,concurrency,disk")
+    ap.add_argument("--only", default="crash,corruption,chain,fuzz,gdeflate,concurrency,disk")
     ap.add_argument("--workers", type=int, default=2, help="processes for the corruption section")
     ap.add_argument("--fuzz-examples", type=int, default=2000)
     ap.add_argument("--tiny", action="store_true", help="a smoke run (seconds)")
@@ -343,6 +380,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"crash: {payload['crash']['cases']} cases, {len(payload['crash']['problems'])} problems", flush=True)
         if "corruption" in sections:
             payload["corruption"] = corruption(root, args.tiny, args.workers)
+        if "chain" in sections:
+            payload["chain_corruption"] = chain_corruption(root, args.tiny, args.workers)
         if "fuzz" in sections:
             payload["fuzz"] = fuzz(50 if args.tiny else args.fuzz_examples)
         if "gdeflate" in sections:

@@ -41,6 +41,34 @@ def save_sample(path: Path, codec: str) -> dict[str, Any]:
     return sd
 
 
+def next_state(base: dict[str, Any]) -> dict[str, Any]:
+    """The state a training step makes of ``base`` (:func:`sample_state`): floats nudged, a few
+    integers changed, the rest as it was, so that a delta saved against ``base`` stores its
+    float and integer items as differences."""
+    nxt = dict(base)
+    nxt["w"] = base["w"] + 1e-4 * weights_like(tuple(base["w"].shape), seed=11)
+    nudge = 1e-2 * weights_like(tuple(base["b16"].shape), seed=12)
+    nxt["b16"] = (base["b16"].float() + nudge).to(torch.bfloat16)
+    ids = base["ids"].clone()
+    ids[::97] += 1
+    nxt["ids"] = ids
+    return nxt
+
+
+def save_delta_sample(root: Path, codec: str) -> tuple[Path, Path, dict[str, Any]]:
+    """A full checkpoint of :func:`sample_state` at ``root/base`` and a delta against it of
+    :func:`next_state` at ``root/delta`` (one ``DeltaPolicy``, small items included): the
+    chain a damage case loads through. Returns both locations and the delta's state."""
+    policy = nvdcp.DeltaPolicy(min_item_bytes=0)
+    base_sd = sample_state()
+    next_sd = next_state(base_sd)
+    for sd, name in ((base_sd, "base"), (next_sd, "delta")):
+        writer = nvdcp.NvcompWriter(root / name, codec=codec, chunk_bytes=1024, sync_files=False, codec_threads=1,
+                                    delta=policy)
+        dcp.save(sd, storage_writer=writer)
+    return root / "base", root / "delta", next_sd
+
+
 @dataclass
 class Region:
     file: str
@@ -119,17 +147,59 @@ def check_truncation(path: Path, file: str, length: int, want: dict[str, Any], t
         f.write_bytes(original)
 
 
+def check_chain_flip(load_path: Path, damaged: Path, region: Region, pos: int, xor: int, want: dict[str, Any],
+                     tally: Tally, read: bool) -> None:
+    """Flip one byte of a data file of checkpoint ``damaged``, a level of the chain that a load of
+    ``load_path`` reads (the delta itself or its base), load and verify ``load_path``, restore.
+    ``read``: whether that load reads the region's record (a base record of an item the delta
+    stores whole is not read: its damage may go unseen, never into wrong tensors)."""
+    f = damaged / region.file
+    original = f.read_bytes()
+    data = bytearray(original)
+    data[pos] ^= xor
+    f.write_bytes(data)
+    level = "delta" if damaged == load_path else "base"
+    try:
+        _judge(load_path, region, f"{level} {region.kind} {region.file}@{pos}^{xor:#04x}", want, tally,
+               label=f"{level} {region.kind}", read=read, where=str(f))
+    finally:
+        f.write_bytes(original)
+
+
+def delta_items(path: Path) -> set[str]:
+    """The items checkpoint ``path`` stores as differences from its base."""
+    from nvdcp.dcp import descriptor
+
+    md = nvdcp.NvcompReader(path).read_metadata()
+    return {ix.fqn for ix, info in md.storage_data.items() if descriptor.is_delta(info)}
+
+
+def chain_regions(delta: Path) -> list[tuple[Path, Region, bool]]:
+    """Every region of the data files of ``delta`` (:func:`save_delta_sample`'s) and of its base,
+    each with the checkpoint it lies in and whether a load of ``delta`` reads it (see
+    :func:`check_chain_flip`)."""
+    deltas = delta_items(delta)
+    base = delta.parent / "base"
+    out = [(delta, r, True) for r in regions(delta)]
+    out += [(base, r, r.item is None or r.item in deltas) for r in regions(base)]
+    return out
+
+
 def _judge(path: Path, region: Region, case: str, want: dict[str, Any], tally: Tally,
-           truncated: bool = False) -> None:
+           truncated: bool = False, label: str | None = None, read: bool = True, where: str | None = None) -> None:
     tally.cases += 1
     kind, err = load_outcome(path, want)
     report = nvdcp.verify_checkpoint(path, threads=1)
-    tally.outcomes[f"{region.kind}: load {kind}"] += 1
-    tally.outcomes[f"{region.kind}: verify {'found' if report.damaged else 'clean'}"] += 1
+    damaged = [d for r in (report, *report.chain) for d in r.damaged]  # the bases' too
+    label = label or region.kind
+    tally.outcomes[f"{label}: load {kind}"] += 1
+    tally.outcomes[f"{label}: verify {'found' if damaged else 'clean'}"] += 1
     problems = []
     if kind == "WRONG":
         problems.append("load returned wrong tensors")
-    if region.kind == "file header" and not truncated:
+    if not read:
+        pass  # a record the load does not read: only wrong tensors are a breach
+    elif region.kind == "file header" and not truncated:
         # Never read by load or verify (items are self-describing): tensors must come back intact.
         if kind != "intact":
             problems.append(f"file header flip broke the load: {kind}")
@@ -138,16 +208,16 @@ def _judge(path: Path, region: Region, case: str, want: dict[str, Any], tally: T
             problems.append("damage not detected at load")
         elif err is not None:
             msg = str(err)
-            if region.file not in msg:
-                problems.append(f"error does not name the file: {msg}")
+            if (where or region.file) not in msg:
+                problems.append(f"error does not name the file {where or region.file}: {msg}")
             if region.item and not truncated and repr(region.item) not in msg:
                 problems.append(f"error does not name the item {region.item}: {msg}")
             if region.kind == "payload" and not truncated and "chunk" not in msg:
                 problems.append(f"error does not name the chunk: {msg}")
-        if not report.damaged:
+        if not damaged:
             problems.append("verify_checkpoint found nothing")
-        elif region.item and not any(repr(region.item) in d.item for d in report.damaged):
-            problems.append(f"verify_checkpoint missed {region.item}: {report.damaged}")
+        elif region.item and not any(repr(region.item) in d.item for d in damaged):
+            problems.append(f"verify_checkpoint missed {region.item}: {damaged}")
     if problems:
         tally.failures.append(f"{case}: {'; '.join(problems)}")
 
@@ -225,6 +295,25 @@ def run_cases(src: str, cases: list[tuple[str, Any, int, int]]) -> dict[str, Any
                 check_truncation(work, what, pos, want, tally, all_regions)
             else:
                 check_metadata_flip(work, pos, xor, want, tally)
+        return tally.as_dict() | {"failures": tally.failures}
+    finally:
+        shutil.rmtree(work.parent, ignore_errors=True)
+
+
+def run_chain_cases(src: str, cases: list[tuple[str, Region, int, int, bool]]) -> dict[str, Any]:
+    """Run chain damage cases against a private copy of ``src`` (the root of
+    :func:`save_delta_sample`; a worker of the sweep). A case is ``(level, region, pos, xor,
+    read)``: a byte of checkpoint ``level`` ("base" or "delta") flipped (:func:`check_chain_flip`)."""
+    import shutil
+    import tempfile
+
+    work = Path(tempfile.mkdtemp(prefix="nvdcp-chain-damage-")) / "chain"
+    shutil.copytree(src, work)  # the delta names its base by relative location: moved together
+    try:
+        want = next_state(sample_state())
+        tally = Tally()
+        for level, region, pos, xor, read in cases:
+            check_chain_flip(work / "delta", work / level, region, pos, xor, want, tally, read)
         return tally.as_dict() | {"failures": tally.failures}
     finally:
         shutil.rmtree(work.parent, ignore_errors=True)
