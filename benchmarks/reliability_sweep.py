@@ -174,7 +174,7 @@ def chain_corruption(root: Path, tiny: bool, workers: int) -> dict[str, Any]:
         cases = [(where.name, region, pos, rng.randrange(1, 256), read)
                  for where, region, read in D.chain_regions(delta) for pos in range(region.start, region.stop)]
         if tiny:
-            cases = rng.sample(cases, min(300, len(cases)))
+            cases = rng.sample(cases, min(60, len(cases)))
         rng.shuffle(cases)
         ctx = F.context()
         with ctx.Pool(workers) as pool:
