@@ -821,14 +821,19 @@ class NvcompReader(StorageReader):
                 [table.keys[p] for p in deltas], {table.keys[p]: devices[p] for p in deltas}, report,
                 {table.keys[p]: table.reqs[p] for p in deltas}, planner, delta_pool, gpu_slots,
             )
+            loads = self._fetch_and_decode(
+                table, order, devices, report, destination, cpu=_CpuPlan(planner),
+                gpu_slots=gpu_slots, gpu_targets=gpu_targets,
+            )
             try:
-                loads = self._fetch_and_decode(
-                    table, order, devices, report, destination, cpu=_CpuPlan(planner),
-                    gpu_slots=gpu_slots, gpu_targets=gpu_targets,
-                )
                 for index, header, data in itertools.chain(rebuilt.interleave(loads), rebuilt.rest()):
                     self._commit_loaded(table.requests_of(index), header, data, planner)
             finally:
+                # A delta item or a commit that failed leaves ``loads`` suspended with its read
+                # pool: shut it down here. Left to the garbage collector, the shutdown (a join)
+                # ran in whichever thread collected, once inside a new thread's start while it
+                # held threading's shutdown lock, which the join takes: the process hung.
+                loads.close()
                 rebuilt.cancel()
         report.seconds = time.perf_counter() - started
         self.last_report = report

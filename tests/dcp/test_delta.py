@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import gc
 import os
 import pickle
 import shutil
 import struct
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -516,6 +518,30 @@ def test_corrupt_byte_in_base_is_named_and_its_item_untouched(tmp_path: Path) ->
     assert f.name in str(err) and "'w'" in str(err) or "w" in str(err)
     assert "checksum" in str(err)
     _untouched(target, {"w"})
+
+
+def test_a_load_failed_by_its_base_leaves_no_read_threads_behind(tmp_path: Path) -> None:
+    """A delta item failing (here its base's chunk) ends the load with the other items' reads
+    still queued: the load shuts their pool down before raising. Left to the garbage collector,
+    that shutdown ran later in whatever thread collected, and a collection inside a new thread's
+    start (holding threading's shutdown lock, which joining takes again) hung the process."""
+    from nvdcp.testing import damage as D
+
+    _, delta, want = D.save_delta_sample(tmp_path, "zstd")
+    base = tmp_path / "base"
+    f, off, length = item_span(base, "w")
+    data = bytearray(f.read_bytes())
+    data[off + length - 10] ^= 0x10
+    f.write_bytes(data)
+    before = {t for t in threading.enumerate() if t.name.startswith("nvdcp-read")}
+    gc.disable()  # the collector must not be what ends the pool
+    try:
+        err = _load_error(delta, empty_like_sd(want))
+        left = [t for t in threading.enumerate() if t.name.startswith("nvdcp-read") and t not in before]
+    finally:
+        gc.enable()
+    assert isinstance(err, nvdcp.CorruptCheckpointError), repr(err)
+    assert not left, left
 
 
 def _forge_raw_record(f: Path, off: int, length: int) -> None:
