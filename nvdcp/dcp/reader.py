@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import Future as PyFuture
 from concurrent.futures import ThreadPoolExecutor
 from operator import attrgetter, itemgetter
@@ -1371,7 +1371,7 @@ class NvcompReader(StorageReader):
         destination: Callable[[MetadataIndex], torch.Tensor | None] = lambda index: None,
         cpu: _CpuPlan | None = None, gpu_slots: threading.BoundedSemaphore | None = None,
         gpu_targets: list[tuple[torch.Tensor, int] | None] | None = None,
-    ) -> Iterator[tuple[MetadataIndex, ItemHeader | None, Any]]:
+    ) -> Generator[tuple[MetadataIndex, ItemHeader | None, Any], None, None]:
         """Run batch loads of the items at ``order`` in ``table`` (CPU nvdcp items, stock items,
         GPU batches; ``devices`` and ``gpu_targets`` by position, :meth:`_decode_devices`) on the
         I/O pool, a bounded window ahead. A stock item comes with header None and a
