@@ -4,8 +4,10 @@ benchmarks/reliability_sweep.py (which runs many more cases)."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -121,17 +123,23 @@ def load_outcome(path: Path, want: dict[str, Any]) -> tuple[str, BaseException |
     return ("intact" if same_state(sd, want) else "WRONG"), None
 
 
-def check_flip(path: Path, region: Region, pos: int, xor: int, want: dict[str, Any], tally: Tally) -> None:
-    """Flip one byte, load and verify, restore; record the outcome and any contract breach."""
-    f = path / region.file
+@contextlib.contextmanager
+def _flipped(f: Path, pos: int, xor: int) -> Iterator[None]:
+    """Byte ``pos`` of file ``f`` xor-ed with ``xor`` inside the block, restored after it."""
     original = f.read_bytes()
     damaged = bytearray(original)
     damaged[pos] ^= xor
     f.write_bytes(damaged)
     try:
-        _judge(path, region, f"{region.kind} {region.file}@{pos}^{xor:#04x}", want, tally)
+        yield
     finally:
         f.write_bytes(original)
+
+
+def check_flip(path: Path, region: Region, pos: int, xor: int, want: dict[str, Any], tally: Tally) -> None:
+    """Flip one byte, load and verify, restore; record the outcome and any contract breach."""
+    with _flipped(path / region.file, pos, xor):
+        _judge(path, region, f"{region.kind} {region.file}@{pos}^{xor:#04x}", want, tally)
 
 
 def check_truncation(path: Path, file: str, length: int, want: dict[str, Any], tally: Tally,
@@ -154,16 +162,10 @@ def check_chain_flip(load_path: Path, damaged: Path, region: Region, pos: int, x
     ``read``: whether that load reads the region's record (a base record of an item the delta
     stores whole is not read: its damage may go unseen, never into wrong tensors)."""
     f = damaged / region.file
-    original = f.read_bytes()
-    data = bytearray(original)
-    data[pos] ^= xor
-    f.write_bytes(data)
     level = "delta" if damaged == load_path else "base"
-    try:
+    with _flipped(f, pos, xor):
         _judge(load_path, region, f"{level} {region.kind} {region.file}@{pos}^{xor:#04x}", want, tally,
                label=f"{level} {region.kind}", read=read, where=str(f))
-    finally:
-        f.write_bytes(original)
 
 
 def delta_items(path: Path) -> set[str]:
@@ -252,13 +254,8 @@ def truncation_lengths(all_regions: list[Region], n: int, seed: int) -> list[tup
 
 def check_metadata_flip(path: Path, pos: int, xor: int, want: dict[str, Any], tally: Tally) -> None:
     """Flip one byte of ``.metadata`` (no checksum of its own): any error is fine, wrong tensors not."""
-    f = path / ".metadata"
-    original = f.read_bytes()
-    damaged = bytearray(original)
-    damaged[pos] ^= xor
-    f.write_bytes(damaged)
     tally.cases += 1
-    try:
+    with _flipped(path / ".metadata", pos, xor):
         sd = empty_like_sd(want)
         try:
             nvdcp.NvcompReader(path).read_metadata()  # dcp.load turns its errors into AssertionError text
@@ -267,11 +264,9 @@ def check_metadata_flip(path: Path, pos: int, xor: int, want: dict[str, Any], ta
         except (Exception, CheckpointException) as exc:
             err = failure_of(exc)
             kind = "NvdcpError" if isinstance(err, nvdcp.NvdcpError) else f"other error ({type(err).__name__})"
-        tally.outcomes[f".metadata: load {kind}"] += 1
-        if kind == "WRONG":
-            tally.failures.append(f".metadata@{pos}^{xor:#04x}: load returned wrong tensors")
-    finally:
-        f.write_bytes(original)
+    tally.outcomes[f".metadata: load {kind}"] += 1
+    if kind == "WRONG":
+        tally.failures.append(f".metadata@{pos}^{xor:#04x}: load returned wrong tensors")
 
 
 def run_cases(src: str, cases: list[tuple[str, Any, int, int]]) -> dict[str, Any]:
