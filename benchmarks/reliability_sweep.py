@@ -119,6 +119,19 @@ def crash(root: Path, tiny: bool) -> dict[str, Any]:
 
 # -- corruption ------------------------------------------------------------------------------
 
+def _in_workers(run: Any, src: Path, shares: list[list[Any]]) -> tuple[int, Counter[str], list[str]]:
+    """``run(src, share)`` for each share in its own worker process (``nvdcp.testing.damage``'s
+    runners): the cases run, their outcomes and their failures, added up."""
+    with F.context().Pool(len(shares)) as pool:
+        parts = pool.starmap(run, [(str(src), share) for share in shares])
+    outcomes: Counter[str] = Counter()
+    failures: list[str] = []
+    for part in parts:
+        outcomes.update(part["outcomes"])
+        failures += part["failures"]
+    return sum(p["cases"] for p in parts), outcomes, failures
+
+
 def corruption(root: Path, tiny: bool, workers: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     codecs = ["zstd", "none"] + (["gdeflate"] if nvdcp.codecs.gdeflate.GDeflateCodec.available() else [])
@@ -138,19 +151,12 @@ def corruption(root: Path, tiny: bool, workers: int) -> dict[str, Any]:
         cases += [("meta", None, p, rng.randrange(1, 256)) for p in positions]
         random.Random(0).shuffle(cases)
         shares = [cases[i::workers] for i in range(workers)]
-        ctx = F.context()
-        with ctx.Pool(workers) as pool:
-            parts = pool.starmap(D.run_cases, [(str(src), share) for share in shares])
-        outcomes: Counter[str] = Counter()
-        failures: list[str] = []
-        for part in parts:
-            outcomes.update(part["outcomes"])
-            failures += part["failures"]
+        n_cases, outcomes, failures = _in_workers(D.run_cases, src, shares)
         sizes: Counter[str] = Counter()
         for r in regions:
             sizes[r.kind] += r.stop - r.start
         out[codec] = {
-            "bytes": dict(sizes) | {".metadata": meta}, "cases": sum(p["cases"] for p in parts),
+            "bytes": dict(sizes) | {".metadata": meta}, "cases": n_cases,
             "flips": sum(1 for c in cases if c[0] == "flip"), "truncations": sum(1 for c in cases if c[0] == "cut"),
             "metadata_flips": sum(1 for c in cases if c[0] == "meta"),
             "outcomes": dict(sorted(outcomes.items())), "failures": failures[:50], "failure_count": len(failures),
@@ -176,16 +182,9 @@ def chain_corruption(root: Path, tiny: bool, workers: int) -> dict[str, Any]:
         if tiny:
             cases = rng.sample(cases, min(60, len(cases)))
         rng.shuffle(cases)
-        ctx = F.context()
-        with ctx.Pool(workers) as pool:
-            parts = pool.starmap(D.run_chain_cases, [(str(src), cases[i::workers]) for i in range(workers)])
-        outcomes: Counter[str] = Counter()
-        failures: list[str] = []
-        for part in parts:
-            outcomes.update(part["outcomes"])
-            failures += part["failures"]
+        n_cases, outcomes, failures = _in_workers(D.run_chain_cases, src, [cases[i::workers] for i in range(workers)])
         out[codec] = {
-            "cases": sum(p["cases"] for p in parts), "deltas": sorted(D.delta_items(delta)),
+            "cases": n_cases, "deltas": sorted(D.delta_items(delta)),
             "outcomes": dict(sorted(outcomes.items())), "failures": failures[:50], "failure_count": len(failures),
             "seconds": round(time.perf_counter() - started, 1),
         }
