@@ -67,6 +67,7 @@ from nvdcp.format.digest import DIGEST_ATTR, digest_of_record_header
 from nvdcp.format.header import DEFAULT_CHUNK_BYTES
 from nvdcp.gpu import gpu_available
 from nvdcp.gpu.config import GpuConfig
+from nvdcp.gpu.gil import short_switch_interval
 from nvdcp.pipeline.config import EncodeConfig
 from nvdcp.pipeline.cpu import EncodedItem
 from nvdcp.pipeline.delta import DEFAULT_MIN_GAIN, DeltaTensor, default_min_item_bytes
@@ -598,7 +599,8 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
             dispatch_error: BaseException | None = None
             try:
                 if jobs:
-                    self._dispatch_gpu(jobs, files, failed)
+                    with short_switch_interval():  # the encode thread launches between file threads
+                        self._dispatch_gpu(jobs, files, failed)
             except BaseException as exc:  # noqa: BLE001 - raised below, once the files stopped
                 dispatch_error = exc
                 failed.set()

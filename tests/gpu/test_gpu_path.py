@@ -215,3 +215,39 @@ def test_cpu_written_float_planes_decode_on_gpu(tmp_path: Path) -> None:
     dcp.load(out, storage_reader=nvdcp.NvcompReader(tmp_path, gpu=GpuConfig(decode_device="cuda")))
     for k in sd:
         assert bit_equal(out[k].cpu(), sd[k]), k
+
+
+def test_gpu_saves_and_loads_hold_a_short_switch_interval_and_give_it_back(tmp_path: Path) -> None:
+    import sys
+    import threading
+
+    from nvdcp.gpu import gil
+
+    seen: list[float] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            seen.append(sys.getswitchinterval())
+            stop.wait(0.0001)
+
+    before = sys.getswitchinterval()
+    sd = {f"t{i}": weights_like((512, 1024), seed=i).to(CUDA) for i in range(32)}
+    out = _zeros_like(sd, CUDA)
+    for op in ("save", "load"):
+        seen.clear()
+        stop.clear()
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        try:
+            if op == "save":
+                dcp.save(sd, storage_writer=nvdcp.NvcompWriter(tmp_path))
+            else:
+                dcp.load(out, storage_reader=nvdcp.NvcompReader(tmp_path))
+        finally:
+            stop.set()
+            sampler.join()
+        assert min(seen) == pytest.approx(min(before, gil.GPU_SWITCH_INTERVAL)), op
+        assert sys.getswitchinterval() == before, op
+    for k in sd:
+        assert bit_equal(out[k].cpu(), sd[k].cpu()), k
