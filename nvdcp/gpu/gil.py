@@ -5,14 +5,17 @@ thread runs Python (a file thread building its write list, the main thread turni
 bucket into records), the thread giving the GPU its next kernel waits for the GIL for up to the
 interpreter's switch interval (5 ms by default) after each operator: a bucket's launch of a few
 dozen operators then stretches over tens of milliseconds while the GPU idles. A 0.5 ms interval
-bounds each wait ten times lower (H100, session 32, same tree, alternating: fp32 delta saves 208
-/ 174 ms against 240 / 205 ms at 5 ms; ``benchmarks/results/delta_save_ab_2026-12-06_h100_session32_switch*``).
+bounds each wait ten times lower. Measured in session 32, same tree, alternating (docs/BENCHMARKS.md,
+"Thirty-second session"): saves of 20,000 small GPU tensors 2.13 against 2.33 s (H100, medians of two)
+and 2.36 against 2.76 s (H200, medians of four); fp32 delta saves 208 / 174 against 240 / 205 ms on the
+H100, neutral on the H200; 4 GB of large tensors neutral.
 
-The interval is process-wide, so it is set only while a save or load has GPU work in flight
-and the caller's value comes back when the last of them ends (nested and concurrent saves
-share one setting). An interval the caller set lower is kept, and one set while a save runs is
-not undone. ``NVDCP_SWITCH_INTERVAL``
-(seconds) sets the value; ``0`` leaves the interpreter's alone.
+The interval is process-wide, so it is set only while a save or load has GPU work in flight,
+and the caller's value comes back when the last of them ends (nested and concurrent saves share
+one setting). An interval the caller set lower is kept, and one set while a save runs is not
+undone. During an ``async_save`` the training thread runs under it too: its own operators then
+wait less for the GIL behind the save's threads. ``NVDCP_SWITCH_INTERVAL`` (seconds) sets the
+value; ``0`` leaves the interpreter's alone.
 """
 
 from __future__ import annotations
