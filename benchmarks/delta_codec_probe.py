@@ -1,6 +1,6 @@
 """Which codec each byte plane of a delta should get: ratios and speeds on real training deltas.
 
-    python -m benchmarks.delta_codec_probe [--device cuda] [--lr-total 1200] [--intervals 10,100]
+    python -m benchmarks.delta_codec_probe [--device cuda] [--lr-total 1200] [--intervals 10,100] [--cpu-frames]
 
 Trains the reference GPT as ``benchmarks/delta_bench.py`` does (same arguments, same snapshots),
 then for each variant (fp32 AdamW state, bf16 weights) and interval takes the last state and the
@@ -13,7 +13,9 @@ GDeflate with each ``algorithm_type``, Zstd, and ANS (for reference: ANS chunks 
 decoder, so nvdcp cannot use it). On the CPU, on a sample of every plane: zstd levels (what the
 CPU path writes: level 1). Reports, per class and plane, stored bytes and encode GB/s, and per
 variant the delta ratio (raw / stored) with today's choice (GDeflate type 0 for every plane) and
-with the best CPU-decodable codec per plane. JSON under benchmarks/results/.
+with the best CPU-decodable codec per plane. ``--cpu-frames``: per plane, the CPU path's zstd frames with the match
+search (what a delta plane gets) against literals-only frames, ratio and speed on one thread.
+JSON under benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ GPU_CODECS = [
 ]
 CPU_ZSTD_LEVELS = (1, 3, 9)
 CPU_SAMPLE_BYTES = 4 << 20
+#: ``--cpu-frames``: compare the CPU path's two zstd frame kinds on every plane, in the chunks of
+#: a delta writer (nvdcp.dcp.delta.DELTA_CHUNK_BYTES).
+CPU_FRAMES = False
+CPU_FRAMES_CHUNK = 32 << 10
 TIMED_BYTES = 64 << 20
 
 
@@ -115,6 +121,39 @@ def cpu_zstd_ratio(plane: torch.Tensor, level: int) -> float:
     return len(data) / stored
 
 
+def cpu_frames(plane: torch.Tensor, chunk: int) -> dict[str, Any]:
+    """The CPU path's two zstd frame kinds on ``plane`` in ``chunk``-byte ranges, one thread:
+    what delta planes get (``for_sparse_planes``: level 1's search, a 64-entry table) against
+    frames without the search (``for_float_planes``: Huffman-coded literals only), each a
+    chunk stored raw where it does not shrink. Ratio and encode / decode MB/s (fastest of 3)."""
+    from nvdcp.codecs.zstd import ZstdCodec
+
+    data = np.ascontiguousarray(plane[:CPU_SAMPLE_BYTES * 4].cpu().numpy())
+    offsets = np.arange(0, len(data), chunk, dtype=np.int64)
+    lengths = np.minimum(chunk, len(data) - offsets)
+    base = ZstdCodec()
+    out: dict[str, Any] = {}
+    for label, codec in (("search", base.for_sparse_planes()), ("literals", base.for_float_planes())):
+        enc = dec = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            frames = codec.encode_ranges(data, offsets, lengths)
+            enc = min(enc, time.perf_counter() - t0)
+        sizes = np.fromiter((len(f) for f in frames), dtype=np.int64, count=len(frames))
+        keep = sizes < lengths  # the others are stored raw
+        packed = np.frombuffer(b"".join(bytes(f) for f, k in zip(frames, keep) if k), dtype=np.uint8)
+        starts = np.concatenate(([0], np.cumsum(sizes[keep])[:-1])).astype(np.int64)
+        for _ in range(3):
+            t0 = time.perf_counter()
+            codec.decode_ranges(packed, starts, sizes[keep], lengths[keep])
+            dec = min(dec, time.perf_counter() - t0)
+        stored = int(np.where(keep, sizes, lengths).sum())
+        out[f"cpu_{label}_ratio"] = round(len(data) / stored, 4)
+        out[f"cpu_{label}_encode_MBps"] = round(len(data) / enc / 1e6, 1)
+        out[f"cpu_{label}_decode_MBps"] = round(int(lengths[keep].sum()) / max(dec, 1e-9) / 1e6, 1)
+    return out
+
+
 def probe_pair(variant: str, interval: int, new: dict[str, Any], old: dict[str, Any], device: str) -> list[dict[str, Any]]:
     rows = []
     stream = torch.cuda.Stream() if device == "cuda" else None
@@ -124,6 +163,8 @@ def probe_pair(variant: str, interval: int, new: dict[str, Any], old: dict[str, 
                                    "raw": plane.numel()}
             for level in CPU_ZSTD_LEVELS:
                 row[f"cpu_zstd{level}_ratio"] = round(cpu_zstd_ratio(plane, level), 4)
+            if CPU_FRAMES:
+                row.update(cpu_frames(plane, CPU_FRAMES_CHUNK))
             if stream is not None:
                 with torch.cuda.stream(stream):
                     for label, name, opts, _ in GPU_CODECS:
@@ -173,7 +214,11 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None)
     p.add_argument("--suffix", default=None)
+    p.add_argument("--cpu-frames", action="store_true",
+                   help="also time the CPU path's zstd frames with and without the match search per plane")
     own, rest = p.parse_known_args(argv)
+    global CPU_FRAMES
+    CPU_FRAMES = own.cpu_frames
     args = delta_bench.parse(rest)
     args.profile = False
     t0 = time.perf_counter()
