@@ -114,3 +114,26 @@ def test_delta_save_items_runs_end_to_end(tmp_path: Path) -> None:
     for row in payload["rows"]:
         assert len(row["full_saves_s"]) == len(row["delta_saves_s"]) == 3
         assert len(row["base_checks_s"]) == 2  # a base check per delta save but the first (no base yet)
+
+
+def test_delta_save_ab_runs_on_the_cpu_with_a_switch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/delta_save_ab.py at a tiny size on the CPU: both settings of a switch, loads
+    checked bit-exact (it exits otherwise), large items joined, one row per variant and setting."""
+    import os
+
+    from benchmarks import delta_save_ab
+
+    delta_save_ab.main(["--device", "cpu", "--loads", "--rounds", "2", "--train=--small", "--large-items",
+                        "--switch", "NVDCP_SMOKE_SWITCH", "--root", str(tmp_path / "ckpt"), "--out", str(tmp_path),
+                        "--suffix", "_smoke"])
+    assert "NVDCP_SMOKE_SWITCH" not in os.environ
+    out = capsys.readouterr().out
+    assert out.count("[1] ") == out.count("[0] ") == 2
+    (target,) = tmp_path.glob("delta_save_ab_*_smoke.json")
+    payload = json.loads(target.read_text())
+    assert payload["device"] == "cpu" and payload["large_items"] and payload["switch"] == "NVDCP_SMOKE_SWITCH"
+    rows = payload["rows"]
+    assert [(r["variant"], r["setting"]) for r in rows] == [
+        ("fp32_adamw", "1"), ("fp32_adamw", "0"), ("bf16_weights", "1"), ("bf16_weights", "0")]
+    for r in rows:
+        assert len(r["seconds"]["delta_load"]) == 1 and r["stored_bytes"]["delta"] < r["stored_bytes"]["full"]
