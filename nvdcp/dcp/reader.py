@@ -82,7 +82,6 @@ from nvdcp.format.header import (
 from nvdcp.gpu import gpu_available
 from nvdcp.gpu.config import GpuConfig
 from nvdcp.gpu.fold import ChainFolder, fold_available
-from nvdcp.gpu.gil import short_switch_interval
 from nvdcp.pipeline.cpu import (
     check_crcs,
     check_decodable,
@@ -817,8 +816,7 @@ class NvcompReader(StorageReader):
         # One budget of GPU decode batches in flight for the delta items and the others, which
         # load at the same time (a delta checkpoint often stores some items whole).
         gpu_slots = threading.BoundedSemaphore(self.gpu_threads)
-        on_gpu = short_switch_interval() if any(d is not None for d in devices) else contextlib.nullcontext()
-        with on_gpu, ThreadPoolExecutor(self.thread_count, thread_name_prefix="nvdcp-delta") as delta_pool:
+        with ThreadPoolExecutor(self.thread_count, thread_name_prefix="nvdcp-delta") as delta_pool:
             rebuilt = self._delta_loads(
                 [table.keys[p] for p in deltas], {table.keys[p]: devices[p] for p in deltas}, report,
                 {table.keys[p]: table.reqs[p] for p in deltas}, planner, delta_pool, gpu_slots,

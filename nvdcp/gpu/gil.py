@@ -1,4 +1,4 @@
-"""A shorter GIL switch interval while nvdcp's GPU threads launch work.
+"""A shorter GIL switch interval while a save's GPU encode launches work.
 
 Every torch operator releases the GIL around its dispatch and takes it back after. While another
 thread runs Python (a file thread building its write list, the main thread turning a finished
@@ -8,9 +8,10 @@ dozen operators then stretches over tens of milliseconds while the GPU idles. A 
 bounds each wait ten times lower. Measured in session 32, same tree, alternating (docs/BENCHMARKS.md,
 "Thirty-second session"): saves of 20,000 small GPU tensors 2.13 against 2.33 s (H100, medians of two)
 and 2.36 against 2.76 s (H200, medians of four); fp32 delta saves 208 / 174 against 240 / 205 ms on the
-H100, neutral on the H200; 4 GB of large tensors neutral.
+H100, neutral on the H200; 4 GB of large tensors neutral. Loads do not use it: small-tensor loads
+were faster in half the pairs, fp32 delta loads 3-9% slower in both.
 
-The interval is process-wide, so it is set only while a save or load has GPU work in flight,
+The interval is process-wide, so it is set only while a save has GPU work in flight,
 and the caller's value comes back when the last of them ends (nested and concurrent saves share
 one setting). An interval the caller set lower is kept, and one set while a save runs is not
 undone. During an ``async_save`` the training thread runs under it too: its own operators then

@@ -217,7 +217,9 @@ def test_cpu_written_float_planes_decode_on_gpu(tmp_path: Path) -> None:
         assert bit_equal(out[k].cpu(), sd[k]), k
 
 
-def test_gpu_saves_and_loads_hold_a_short_switch_interval_and_give_it_back(tmp_path: Path) -> None:
+def test_a_gpu_save_holds_a_short_switch_interval_and_gives_it_back_and_a_load_leaves_it(tmp_path: Path) -> None:
+    """nvdcp.gpu.gil: a save with GPU work runs under the 0.5 ms interval, seen from a sampling
+    thread, and the caller's value is back after; loads do not set it (measured no faster)."""
     import sys
     import threading
 
@@ -247,7 +249,8 @@ def test_gpu_saves_and_loads_hold_a_short_switch_interval_and_give_it_back(tmp_p
         finally:
             stop.set()
             sampler.join()
-        assert min(seen) == pytest.approx(min(before, gil.GPU_SWITCH_INTERVAL)), op
+        want = min(before, gil.GPU_SWITCH_INTERVAL) if op == "save" else before
+        assert min(seen) == pytest.approx(want), op
         assert sys.getswitchinterval() == before, op
     for k in sd:
         assert bit_equal(out[k].cpu(), sd[k].cpu()), k
