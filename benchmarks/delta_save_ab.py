@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="an environment switch of nvdcp: every round runs with ENV=1 and ENV=0, alternating")
     p.add_argument("--large-items", action="store_true",
                    help="join each class's tensors into one (planes of hundreds of chunks; see joined())")
-    p.add_argument("--train", default="", help="extra benchmarks.delta_bench arguments, e.g. '--lr-total 200'")
+    p.add_argument("--train", default="", help="extra benchmarks.delta_bench arguments, e.g. '--lr-total 200' (one option alone: --train=--small)")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("delta_save_ab --device cuda needs CUDA")
