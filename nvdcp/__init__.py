@@ -42,18 +42,20 @@ def release_resources() -> None:
     Writers and readers made per save share, per settings, an item encoder (CPU codec threads,
     GPU encoders, pinned buffers), an async stager (its host buffers, pinned when CUDA is
     present), the readers' pinned staging pool and nvCOMP's GPU workspace. This closes all of them (waiting for an
-    async save still holding staged buffers); the next save or load builds them again. Objects
+    async save still holding staged buffers) and unmaps the CPU path's idle plane buffers; the next save or load builds them again. Objects
     you pass yourself (``NvcompWriter(stager=..., encoder=...)``) are yours to close.
     """
     from nvdcp.dcp.stager import close_shared_stagers
     from nvdcp.gpu.nvcomp_batch import WORKSPACES
     from nvdcp.gpu.pinned import close_shared_pools
     from nvdcp.pipeline.encoder import close_shared_encoders
+    from nvdcp.pipeline.scratch import PLANE_BUFFERS
 
     close_shared_stagers()
     close_shared_encoders()
     close_shared_pools()
     WORKSPACES.release()
+    PLANE_BUFFERS.clear()
 
 
 __all__ = [

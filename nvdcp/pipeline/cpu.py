@@ -36,6 +36,7 @@ from nvdcp.format.header import (
     parse_item_header,
 )
 from nvdcp.pipeline.policy import Layout
+from nvdcp.pipeline.scratch import PLANE_BUFFERS
 from nvdcp.transform import delta as delta_transform
 
 logger = logging.getLogger(__name__)
@@ -308,7 +309,7 @@ def encode_item(
     # until the item is written either way, and one large allocation is faulted in with huge
     # pages (where the kernel has them) instead of a fresh mapping per group (the split measured
     # about 2x faster so).
-    planes_buf = np.empty(raw.size, dtype=np.uint8) if n_planes > 1 and raw.size else None
+    planes_buf = PLANE_BUFFERS.take(raw.size) if n_planes > 1 and raw.size else None
     job = functools.partial(_encode_blocks, raw, n_planes, codecs, chunk_bytes, planes_buf, delta)
     if pool is None or len(spans) < 2:
         results = [job(span) for span in spans]
