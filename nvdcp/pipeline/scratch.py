@@ -11,6 +11,7 @@ faulted in.
 
 from __future__ import annotations
 
+import collections
 import mmap
 import threading
 import weakref
@@ -32,6 +33,10 @@ class HostBufferPool:
         self.budget_bytes = budget_bytes
         self.min_bytes = min_bytes
         self._free: list[mmap.mmap] = []  # mappings no array views, ready for reuse
+        # Mappings given back by finalizers, moved to ``_free`` under the lock. A finalizer may run
+        # inside a garbage collection triggered while this thread holds the lock, so it takes none
+        # (deque appends are atomic).
+        self._returned: collections.deque[mmap.mmap] = collections.deque()
         self._held = 0  # bytes of all mappings the pool made and has not closed
         self._lock = threading.Lock()
 
@@ -51,6 +56,7 @@ class HostBufferPool:
     def _reuse(self, nbytes: int) -> mmap.mmap | None:
         """The smallest free mapping that holds ``nbytes`` without wasting more than as much again."""
         with self._lock:
+            self._collect_returned()
             fits = [b for b in self._free if nbytes <= len(b) <= 2 * nbytes]
             if not fits:
                 return None
@@ -61,6 +67,7 @@ class HostBufferPool:
     def _new(self, nbytes: int) -> mmap.mmap | None:
         size = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE
         with self._lock:
+            self._collect_returned()
             while self._free and self._held + size > self.budget_bytes:  # make room: drop idle ones
                 self._close(self._free.pop(0))
             if self._held + size > self.budget_bytes:
@@ -75,8 +82,12 @@ class HostBufferPool:
         return block
 
     def _give_back(self, block: mmap.mmap) -> None:
-        with self._lock:
-            self._free.append(block)
+        self._returned.append(block)
+
+    def _collect_returned(self) -> None:
+        """Move given-back mappings to the free list (the caller holds the lock)."""
+        while self._returned:
+            self._free.append(self._returned.popleft())
 
     def _close(self, block: mmap.mmap) -> None:
         self._held -= len(block)
@@ -85,12 +96,14 @@ class HostBufferPool:
     def clear(self) -> None:
         """Unmap every idle buffer (ones still viewed come back, and are kept, when released)."""
         with self._lock:
+            self._collect_returned()
             while self._free:
                 self._close(self._free.pop())
 
     @property
     def idle_bytes(self) -> int:
         with self._lock:
+            self._collect_returned()
             return sum(len(b) for b in self._free)
 
     @property
