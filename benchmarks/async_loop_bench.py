@@ -71,6 +71,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gc-freeze", action="store_true",
                    help="gc.freeze() after setup (a recipe: full collections skip the model's objects)")
     p.add_argument("--small", action="store_true", help="tiny CPU config (smoke test)")
+    p.add_argument("--suffix", default="", help="appended to the result file's name")
     args = p.parse_args(argv)
     if args.small:
         args.width, args.depth, args.batch, args.saves, args.every, args.warm_steps = 64, 2, 32, 3, 3, 4
@@ -368,11 +369,12 @@ def main(argv: list[str] | None = None) -> int:
             "steady_extra_s_per_GB", "first_call_s", "steady_call_s", "steady_durable_s", "upload_median_over_base",
             "peak_pinned_MiB", "checkpoint_MiB", "gc_pauses_per_save", "bit_exact"]
     print(markdown_table(rows, cols))
-    extra: dict[str, Any] = {"torch": torch.__version__, "device": str(device), "args": vars(args)}
+    extra: dict[str, Any] = {"torch": torch.__version__, "device": str(device), "args": vars(args),
+                             "NVDCP_SWITCH_INTERVAL": os.environ.get("NVDCP_SWITCH_INTERVAL")}
     if cuda:
         extra["gpu"] = torch.cuda.get_device_name(0)
         extra["stream_priority_range"] = torch.cuda.Stream.priority_range()
-    path = write_results("async_loop_bench", {**extra, "results": rows}, args.out)
+    path = write_results("async_loop_bench", {**extra, "results": rows}, args.out, suffix=args.suffix)
     print(f"wrote {path}")
     dist.destroy_process_group()
     return 0 if all(r["bit_exact"] for r in rows) else 1
