@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import statistics
 import time
@@ -71,16 +72,21 @@ def probe(args: argparse.Namespace) -> dict[str, Any]:
             load(kind)
             first[kind].append(time.perf_counter() - t0)
     phases: dict[str, dict[str, float]] = {}
+    cpu: dict[str, list[float]] = {"full": [], "d1": []}  # the process's CPU seconds (user + system) per load
     for _ in range(args.loads):
         for kind in times:
+            r0 = resource.getrusage(resource.RUSAGE_SELF)
             t0 = time.perf_counter()
             reader = load(kind)
             times[kind].append(time.perf_counter() - t0)
+            r1 = resource.getrusage(resource.RUSAGE_SELF)
+            cpu[kind].append(r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime)
             phases[kind] = {k: round(v, 4) for k, v in (reader.last_report.phases if reader.last_report else {}).items()}
     exact = all(torch.equal(_bits(dest[k]), _bits(states[1][k])) for k in dest)
     med = {kind: statistics.median(v) for kind, v in times.items()}
     row: dict[str, Any] = {
         "variant": args.variant, "seconds": times, "median_s": med, "warm_up_s": first, "d1_over_full": med["d1"] / med["full"],
+        "cpu_s": cpu, "median_cpu_s": {kind: statistics.median(v) for kind, v in cpu.items()},
         "phases": phases, "bit_exact": exact,
         "bytes": {kind: sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) for kind, path in paths.items()},
         # the GPU path's chain fold (nvdcp/gpu/fold.py); host loads never use it
@@ -116,7 +122,8 @@ def main(argv: list[str] | None = None) -> Path:
     row = probe(args)
     med = row["median_s"]
     print(f"{args.variant} fold_kernel={row['fold_kernel']}: full load {med['full']:.4f} s, depth-1 {med['d1']:.4f} s "
-          f"({row['d1_over_full']:.2f}x); bit-exact {row['bit_exact']}", flush=True)
+          f"({row['d1_over_full']:.2f}x); process CPU {row['median_cpu_s']['full']:.3f} / {row['median_cpu_s']['d1']:.3f} s; "
+          f"bit-exact {row['bit_exact']}", flush=True)
     path = write_results("delta_load_probe", {"benchmark": "delta_load_probe", "issue": 15, "device": args.device,
                                               "rows": [row]}, args.out, args.suffix)
     print(f"wrote {path}")
