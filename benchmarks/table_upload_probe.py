@@ -86,15 +86,16 @@ def measure(variant: str, rows: int, calls: int, contended: bool, interval: floa
     return statistics.median(times[calls // 10 :])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=2000)
     p.add_argument("--calls", type=int, default=400)
     p.add_argument("--out", default=None)
     p.add_argument("--suffix", default="")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        sys.exit("table_upload_probe needs a CUDA device")
+        print("table_upload_probe needs a CUDA GPU", file=sys.stderr)
+        return 2
     rows: list[dict[str, Any]] = []
     for interval in (0.005, 0.0005):
         for contended in (False, True):
@@ -103,8 +104,9 @@ def main() -> None:
                 rows.append({"variant": variant, "contended": contended, "switch_interval_s": interval,
                              "median_us_per_call": round(us, 1)})
                 print(f"{variant:9s} contended={contended!s:5s} interval={interval * 1e3:.1f} ms: {us:8.1f} us", flush=True)
-    write_results("table_upload_probe", {"rows_per_table": args.rows, "results": rows}, args.out, suffix=args.suffix)
+    print(f"wrote {write_results('table_upload_probe', {'rows_per_table': args.rows, 'results': rows}, args.out, args.suffix)}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
