@@ -196,6 +196,19 @@ def _kernel_splits(slots: torch.Tensor) -> bool:
     return slots.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+#: How a split table reaches the GPU: ``pinned`` (``pin_memory().to()``) or ``pageable`` (``.to()``
+#: straight from numpy's memory, which the driver stages at once for tables this small). An A/B
+#: switch for the table upload probe's finding (benchmarks/table_upload_probe.py).
+TABLE_UPLOAD = os.environ.get("NVDCP_TABLE_UPLOAD", "pinned")
+
+
+def _upload_table(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``table`` on ``device``, queued on the current stream."""
+    if TABLE_UPLOAD == "pageable":
+        return table.to(device, non_blocking=True)
+    return table.pin_memory().to(device, non_blocking=True)
+
+
 class _KernelSplit:
     """A bucket's segments split into their slots by one plane-kernel launch per plane count
     (:func:`~nvdcp.gpu.merge.split_rows`): a table row per block holds the address of its first
@@ -234,7 +247,7 @@ class _KernelSplit:
             table = torch.from_numpy(merge_table(addr[seg_of] + block * (c * p), counts,
                                                  base + (rows[:, None] + np.arange(p, dtype=np.int64)) * c))
             if slots.is_cuda:
-                table = table.pin_memory().to(slots.device, non_blocking=True)
+                table = _upload_table(table, slots.device)
             split_rows(table, p, int(counts.max()))
 
 
