@@ -196,9 +196,10 @@ def _kernel_splits(slots: torch.Tensor) -> bool:
     return slots.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-#: How a split table reaches the GPU: ``pinned`` (``pin_memory().to()``) or ``pageable`` (``.to()``
-#: straight from numpy's memory, which the driver stages at once for tables this small). An A/B
-#: switch for the table upload probe's finding (benchmarks/table_upload_probe.py).
+#: How a split table reaches the GPU: ``pageable`` sends it with ``.to()`` straight from numpy's
+#: memory; any other value (the default) with ``pin_memory().to()``. An A/B switch: behind a thread
+#: running Python the pageable copy waited less for the GIL (benchmarks/table_upload_probe.py),
+#: but whether it then waits for the stream's work in a save is not yet measured.
 TABLE_UPLOAD = os.environ.get("NVDCP_TABLE_UPLOAD", "pinned")
 
 
