@@ -234,22 +234,35 @@ class _KernelSplit:
                 (job.data.data_ptr(), job.elements, seg.first_block, seg.n_blocks, seg.first_slot))
 
     def run(self, slots: torch.Tensor) -> None:
-        """Queue the splits on the current stream. Each table goes up from pinned memory (an
-        upload from pageable memory waits for the stream's work; torch's pinned-memory cache
-        keeps the buffer until the copy is done)."""
-        c, base = self.c, slots.data_ptr()
-        for p, cols in self.by_planes.items():
-            addr, m, first_block, n_blocks, first_slot = np.asarray(cols, dtype=np.int64).T
-            seg_of = np.repeat(np.arange(len(cols)), n_blocks)
-            b = np.arange(len(seg_of), dtype=np.int64) - np.repeat(np.cumsum(n_blocks) - n_blocks, n_blocks)
-            block = first_block[seg_of] + b
-            counts = np.minimum(c, m[seg_of] - block * c)
-            rows = first_slot[seg_of] + b * p
-            table = torch.from_numpy(merge_table(addr[seg_of] + block * (c * p), counts,
-                                                 base + (rows[:, None] + np.arange(p, dtype=np.int64)) * c))
-            if slots.is_cuda:
-                table = _upload_table(table, slots.device)
-            split_rows(table, p, int(counts.max()))
+        """Queue the splits on the current stream: every plane count's table built in numpy, the
+        tables sent to the GPU in one upload (each upload waits for the GIL several times behind
+        a thread running Python, benchmarks/table_upload_probe.py, and a bucket of fp32 and bf16
+        tensors has two plane counts), then one launch per plane count on a view of it."""
+        tables = [(p, *self._table(p, cols, slots.data_ptr())) for p, cols in self.by_planes.items()]
+        if not tables:
+            return
+        flat = torch.from_numpy(np.concatenate([t.reshape(-1) for _, t, _ in tables]))
+        if slots.is_cuda:
+            flat = _upload_table(flat, slots.device)
+        at = 0
+        for p, table, longest in tables:
+            rows = table.shape[0]
+            split_rows(flat[at : at + table.size].view(rows, 2 + p), p, longest)
+            at += table.size
+
+    def _table(self, p: int, cols: list[tuple[int, int, int, int, int]], base: int) -> tuple[np.ndarray, int]:
+        """The kernel's table for the segments of ``p`` planes (one row per block) and the largest
+        element count of a row."""
+        c = self.c
+        addr, m, first_block, n_blocks, first_slot = np.asarray(cols, dtype=np.int64).T
+        seg_of = np.repeat(np.arange(len(cols)), n_blocks)
+        b = np.arange(len(seg_of), dtype=np.int64) - np.repeat(np.cumsum(n_blocks) - n_blocks, n_blocks)
+        block = first_block[seg_of] + b
+        counts = np.minimum(c, m[seg_of] - block * c)
+        rows = first_slot[seg_of] + b * p
+        table = merge_table(addr[seg_of] + block * (c * p), counts,
+                            base + (rows[:, None] + np.arange(p, dtype=np.int64)) * c)
+        return table, int(counts.max())
 
 
 def split_run(run: list[tuple[GpuJob, int]], slots: torch.Tensor, chunk_bytes: int,
@@ -350,9 +363,17 @@ class GpuJob:
     keep: torch.Tensor | None = None
     #: bytes of ``data``
     nbytes: int = field(init=False)
+    #: byte planes of the layout (1 without a transform); a layout changed later keeps its count
+    n_planes: int = field(init=False)
+    #: bytes per plane: elements for byte planes, bytes without a transform
+    elements: int = field(init=False)
 
     def __post_init__(self) -> None:
+        # plain fields, not properties: the encode thread reads them for every segment, several
+        # times (a property call each was a fifth of its planning time, 20,000 small tensors)
         self.nbytes = self.data.nbytes
+        self.n_planes = len(self.layout.plane_codecs)
+        self.elements = self.nbytes // self.n_planes
 
     def whole(self, layout: Layout) -> GpuJob:
         """This job stored whole with ``layout`` (its bytes already kept)."""
@@ -364,15 +385,6 @@ class GpuJob:
         if not self.nbytes:
             return torch.empty(0, dtype=torch.uint8, device=self.data.device)
         return flat_bytes(self.data)
-
-    @property
-    def n_planes(self) -> int:
-        return len(self.layout.plane_codecs)
-
-    @property
-    def elements(self) -> int:
-        """Bytes per plane: elements for byte planes, bytes without a transform."""
-        return self.nbytes // self.n_planes
 
 
 @dataclass
@@ -485,10 +497,10 @@ class _Stopped(Exception):
 def _runnable(job: GpuJob, seg: _Segment, chunk_bytes: int) -> bool:
     """Whether ``seg`` holds all of ``job`` in whole blocks and the job has a base or bytes to
     keep (:func:`split_run`)."""
-    m = job.elements
-    if seg.first_block != 0 or m == 0 or m % chunk_bytes or seg.n_blocks * chunk_bytes != m:
+    if job.delta is None and job.keep is None:  # first: the test that decides for most jobs
         return False
-    return job.delta is not None or job.keep is not None
+    m = job.elements
+    return not (seg.first_block != 0 or m == 0 or m % chunk_bytes or seg.n_blocks * chunk_bytes != m)
 
 
 class GpuEncoder:
@@ -550,11 +562,21 @@ class GpuEncoder:
         max_slots = self.max_slots_for(depth)
         bucket_budget = self._bucket_budget(jobs, depth)
         buckets = [_Bucket()]
+        costs: dict[tuple[Layout, bool], int] = {}  # a job's block cost, by what it depends on
         for j, job in enumerate(jobs):
             blocks = -(-job.elements // self.chunk_bytes)
-            per_block = self._block_cost(job)
+            cost_key = (job.layout, job.delta is None)
+            per_block = costs.get(cost_key) or costs.setdefault(cost_key, self._block_cost(job))
+            cur = buckets[-1]
             if blocks == 0:
-                buckets[-1].segments.append(_Segment(j, 0, 0, buckets[-1].slots))
+                cur.segments.append(_Segment(j, 0, 0, cur.slots))
+                continue
+            slots = blocks * job.n_planes
+            if cur.cost + blocks * per_block <= bucket_budget and cur.slots + slots <= max_slots:
+                # the common case for small tensors: the whole item fits in the current bucket
+                cur.segments.append(_Segment(j, 0, blocks, cur.slots))
+                cur.slots += slots
+                cur.cost += blocks * per_block
                 continue
             b = 0
             while b < blocks:
@@ -630,12 +652,12 @@ class GpuEncoder:
         for seg in bucket.segments:
             job = jobs[seg.job]
             p, m = job.n_planes, job.elements
-            whole = seg.first_block == 0 and seg.n_blocks * c >= m  # the segment holds all of it
-            if _runnable(job, seg, c):
-                continue  # written by its run
-            if kernel is not None and kernel.takes(job):
+            if kernel is not None and kernel.takes(job):  # (a job with a base or a keep never is)
                 kernel.add(job, seg)
                 continue
+            if _runnable(job, seg, c):
+                continue  # written by its run
+            whole = seg.first_block == 0 and seg.n_blocks * c >= m  # the segment holds all of it
             if whole and 0 < m and (m <= c or m % c == 0) and job.delta is None and job.keep is None:
                 # one block, or whole blocks only (no tail): grouped with tensors of its shape
                 sources, first_slots = small.setdefault((p, min(m, c), max(1, m // c)), ([], []))

@@ -1,0 +1,66 @@
+"""GpuEncoder._plan, the packing of jobs' blocks into buckets, on the host (no GPU needed): every
+block of every job placed once, in order; no bucket over its slot bound or, unless it holds a
+single segment, over its budget; an item that fits an empty bucket never cut over two."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from nvdcp.gpu.encoder import GpuEncoder, GpuJob, granule_for
+from nvdcp.pipeline.policy import choose_layout
+
+C = 1024
+
+
+def _encoder(budget: int, pinned: int) -> GpuEncoder:
+    encoder = object.__new__(GpuEncoder)  # planning only: no streams, no device
+    encoder.chunk_bytes, encoder.granule, encoder.bound = C, granule_for(C), None
+    encoder.bucket_budget, encoder.pinned_bytes = budget, pinned
+    return encoder
+
+
+def _jobs(seed: int, n: int) -> list[GpuJob]:
+    rng = np.random.default_rng(seed)
+    jobs = []
+    for i in range(n):
+        dtype = (torch.float32, torch.bfloat16, torch.uint8)[i % 3]
+        elements = int(rng.choice([0, 1, C - 1, C, 3 * C + 7, int(rng.integers(1, 40 * C))]))
+        data = torch.empty(elements, dtype=dtype)
+        jobs.append(GpuJob(i, data, choose_layout(dtype, "zstd"), dtype, 0, (elements,)))
+    return jobs
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("budget_chunks", [64, 300, 5000])
+def test_the_plan_places_every_block_once_in_order_within_the_bounds(seed: int, budget_chunks: int) -> None:
+    encoder = _encoder(budget_chunks * C, 1024 * C)
+    jobs = _jobs(seed, 300)
+    max_slots, budget = encoder.max_slots_for(2), encoder._bucket_budget(jobs, 2)
+    buckets = encoder._plan(jobs)
+    placed: list[tuple[int, int, int]] = []
+    for bucket in buckets:
+        slot = 0
+        cost = 0
+        for seg in bucket.segments:
+            job = jobs[seg.job]
+            assert seg.first_slot == slot  # segments packed back to back
+            slot += seg.n_blocks * job.n_planes
+            cost += seg.n_blocks * encoder._block_cost(job)
+            placed.append((seg.job, seg.first_block, seg.n_blocks))
+        assert slot == bucket.slots and cost == bucket.cost
+        assert bucket.slots <= max_slots or len(bucket.segments) == 1
+        assert bucket.cost <= budget or len(bucket.segments) == 1
+    expected_next = {j: 0 for j in range(len(jobs))}
+    order = [j for j, _, _ in placed]
+    assert order == sorted(order)  # jobs in order
+    for j, first, n in placed:
+        assert first == expected_next[j]
+        expected_next[j] += n
+    for j, job in enumerate(jobs):
+        blocks = -(-job.elements // C)
+        assert expected_next[j] == blocks, f"job {j}: {expected_next[j]} of {blocks} blocks placed"
+        fits_empty = min(budget // encoder._block_cost(job), max_slots // job.n_planes)
+        if 0 < blocks <= fits_empty:
+            assert sum(1 for k, _, _ in placed if k == j) == 1, f"job {j} fits a bucket but was cut"
