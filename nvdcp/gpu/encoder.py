@@ -75,8 +75,10 @@ def compaction_plan(src_offsets: np.ndarray, stored: np.ndarray, granule: int,
     starts = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum(counts, out=starts[1:])
     total = int(starts[-1])
-    base = torch.from_numpy(src_offsets.astype(np.int64) // granule - starts[:-1]).to(device)
-    rows = torch.repeat_interleave(base, torch.from_numpy(counts).to(device), output_size=total)
+    n = len(counts)
+    # one upload for both columns: each torch call may wait for the GIL behind a busy thread
+    both = torch.from_numpy(np.concatenate((src_offsets.astype(np.int64) // granule - starts[:-1], counts))).to(device)
+    rows = torch.repeat_interleave(both[:n], both[n:], output_size=total)
     rows += torch.arange(total, dtype=torch.int64, device=device)
     return rows, starts * granule
 
