@@ -85,6 +85,15 @@ def _native_gather() -> Callable[..., int] | None:
 
 
 @functools.cache
+def _native_gather_crc() -> Callable[..., int] | None:
+    fn = load_function(_FORMAT_DIR, "_crc32c_batch", "nvdcp_gather_crc32c")
+    if fn is not None:
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+        fn.restype = ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+@functools.cache
 def _native_split_many() -> Callable[..., int] | None:
     fn = load_function(_FORMAT_DIR, "_crc32c_batch", "nvdcp_split_planes_many")
     if fn is not None:
@@ -107,6 +116,26 @@ def copy_ranges(out: np.ndarray, dst: np.ndarray, src_buffers: list[np.ndarray],
         return
     for d, b, o, n in zip(dst.tolist(), src_of.tolist(), src_off.tolist(), sizes.tolist()):
         out[d : d + n] = src_buffers[b][o : o + n]
+
+
+def copy_ranges_checksummed(out: np.ndarray, dst: np.ndarray, src_buffers: list[np.ndarray], src_of: np.ndarray,
+                            src_off: np.ndarray, sizes: np.ndarray, threads: int) -> np.ndarray:
+    """:func:`copy_ranges`, and the CRC32C of each copied range (uint32): one native pass that
+    checksums each chunk right after copying it, while it is in cache, on up to ``threads``
+    threads (the copy and a separate checksum pass were a fifth of the codec thread's samples in
+    a CPU save of 20,000 small tensors); without the library, the two steps."""
+    fn = _native_gather_crc()
+    if fn is None:
+        copy_ranges(out, dst, src_buffers, src_of, src_off, sizes)
+        return checksum_ranges(out, dst, sizes, threads)
+    crcs = np.empty(len(sizes), dtype=np.uint32)
+    if len(sizes):
+        bases = np.array([b.ctypes.data for b in src_buffers], dtype=np.int64)
+        srcs = bases[src_of] + src_off
+        dsts = dst + out.ctypes.data
+        fn(srcs.ctypes.data, dsts.ctypes.data, np.ascontiguousarray(sizes, dtype=np.int64).ctypes.data, len(sizes),
+           crcs.ctypes.data, threads)
+    return crcs
 
 
 def _exclusive_cumsum(values: np.ndarray) -> np.ndarray:
@@ -357,11 +386,10 @@ def _encode_planes(planes: np.ndarray, raw: np.ndarray, dtype_code: int, layout:
     start = record_off[:-1]
     out = np.empty(int(record_off[-1]), dtype=np.uint8)
     chunk_dst = (start + header_bytes - stored_cum[first_chunk[:-1]])[chunks.item] + stored_cum[:-1]
-    copy_ranges(out, chunk_dst, chunks.sources, chunks.src_of, chunks.src_off, chunks.stored)
-
     table = np.empty((len(chunks.stored), 2), dtype="<u4")
     table[:, 0] = chunks.stored
-    table[:, 1] = checksum_ranges(out, chunk_dst, chunks.stored, threads)
+    table[:, 1] = copy_ranges_checksummed(out, chunk_dst, chunks.sources, chunks.src_of, chunks.src_off,
+                                          chunks.stored, threads)
     header_crcs = pack_headers_into(out, start, fields, table_at, header_bytes, table, first_chunk, threads)
     return _Group(out, fields, start, record_off[1:], header_bytes, chunk_dst, table, first_chunk, header_crcs, deltas)
 

@@ -346,3 +346,33 @@ def test_any_damaged_delta_header_sends_the_batch_to_the_one_by_one_path() -> No
         damaged = buf.copy()
         damaged[at] ^= 0x04
         assert cpu_batch.parse_records(damaged, starts, lengths) is None, at
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_fused_gather_copies_and_checksums_what_the_two_steps_do(threads: int, native: bool,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """copy_ranges_checksummed: the same bytes and CRC32Cs as copy_ranges then checksum_ranges,
+    over two sources, empty ranges included and more than a thread's 1 MiB share in all; with
+    the native library and without it."""
+    from nvdcp.format.crc import checksum_ranges
+
+    if not native:
+        monkeypatch.setattr(cpu_batch, "_native_gather_crc", lambda: None)
+    elif cpu_batch._native_gather_crc() is None:
+        pytest.skip("the native library is not built here")
+
+    rng = np.random.default_rng(threads)
+    sources = [rng.integers(0, 256, size=3 << 20, dtype=np.uint8), rng.integers(0, 256, size=70_000, dtype=np.uint8)]
+    sizes = rng.integers(0, 65_537, size=90).astype(np.int64)
+    sizes[[0, 7, 89]] = 0
+    src_of = rng.integers(0, 2, size=90).astype(np.int64)
+    src_off = np.array([rng.integers(0, len(sources[b]) - n + 1) for b, n in zip(src_of, sizes)], dtype=np.int64)
+    dst = np.concatenate(([0], np.cumsum(sizes + 3)[:-1])).astype(np.int64)  # gaps between ranges
+    want = np.zeros(int(dst[-1] + sizes[-1] + 3), dtype=np.uint8)
+    cpu_batch.copy_ranges(want, dst, sources, src_of, src_off, sizes)
+    got = np.zeros_like(want)
+    crcs = cpu_batch.copy_ranges_checksummed(got, dst, sources, src_of, src_off, sizes, threads)
+    assert np.array_equal(got, want)
+    assert np.array_equal(crcs, checksum_ranges(want, dst, sizes))
+    assert int(sizes.sum()) > 1 << 20 and crcs.dtype == np.uint32
