@@ -568,7 +568,9 @@ class GpuEncoder:
         for j, job in enumerate(jobs):
             blocks = -(-job.elements // self.chunk_bytes)
             cost_key = (job.layout, job.delta is None)
-            per_block = costs.get(cost_key) or costs.setdefault(cost_key, self._block_cost(job))
+            per_block = costs.get(cost_key)
+            if per_block is None:
+                per_block = costs[cost_key] = self._block_cost(job)
             cur = buckets[-1]
             if blocks == 0:
                 cur.segments.append(_Segment(j, 0, 0, cur.slots))

@@ -109,10 +109,8 @@ def copy_ranges(out: np.ndarray, dst: np.ndarray, src_buffers: list[np.ndarray],
     chunk ``j``: one native call (the GIL released), or numpy slice copies without the library."""
     fn = _native_gather()
     if fn is not None:
-        bases = np.array([b.ctypes.data for b in src_buffers], dtype=np.int64)
-        srcs = bases[src_of] + src_off
-        dsts = dst + out.ctypes.data
-        fn(srcs.ctypes.data, dsts.ctypes.data, np.ascontiguousarray(sizes, dtype=np.int64).ctypes.data, len(sizes))
+        srcs, dsts, lengths = _range_addresses(out, dst, src_buffers, src_of, src_off, sizes)
+        fn(srcs.ctypes.data, dsts.ctypes.data, lengths.ctypes.data, len(sizes))
         return
     for d, b, o, n in zip(dst.tolist(), src_of.tolist(), src_off.tolist(), sizes.tolist()):
         out[d : d + n] = src_buffers[b][o : o + n]
@@ -130,12 +128,17 @@ def copy_ranges_checksummed(out: np.ndarray, dst: np.ndarray, src_buffers: list[
         return checksum_ranges(out, dst, sizes, threads)
     crcs = np.empty(len(sizes), dtype=np.uint32)
     if len(sizes):
-        bases = np.array([b.ctypes.data for b in src_buffers], dtype=np.int64)
-        srcs = bases[src_of] + src_off
-        dsts = dst + out.ctypes.data
-        fn(srcs.ctypes.data, dsts.ctypes.data, np.ascontiguousarray(sizes, dtype=np.int64).ctypes.data, len(sizes),
-           crcs.ctypes.data, threads)
+        srcs, dsts, lengths = _range_addresses(out, dst, src_buffers, src_of, src_off, sizes)
+        fn(srcs.ctypes.data, dsts.ctypes.data, lengths.ctypes.data, len(sizes), crcs.ctypes.data, threads)
     return crcs
+
+
+def _range_addresses(out: np.ndarray, dst: np.ndarray, src_buffers: list[np.ndarray], src_of: np.ndarray,
+                     src_off: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The native gathers' arguments: each range's source and destination address and its
+    length, as int64 arrays (the caller keeps the buffers alive across the call)."""
+    bases = np.array([b.ctypes.data for b in src_buffers], dtype=np.int64)
+    return bases[src_of] + src_off, dst + out.ctypes.data, np.ascontiguousarray(sizes, dtype=np.int64)
 
 
 def _exclusive_cumsum(values: np.ndarray) -> np.ndarray:
