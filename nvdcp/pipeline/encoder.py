@@ -77,6 +77,7 @@ class ItemEncoder:
         self._small_gate = threading.BoundedSemaphore(SMALL_ITEM_THREADS)
         self._pinned: PinnedPool | None = None
         self._idle: dict[tuple[torch.device, int], list[GpuEncoder]] = {}
+        self._ahead_pool: ThreadPoolExecutor | None = None
 
     # -- pickling (async_save PROCESS mode): settings travel, threads and CUDA state do not ------
     def __getstate__(self) -> dict[str, Any]:
@@ -104,12 +105,23 @@ class ItemEncoder:
                 self._pinned = PinnedPool(self.gpu.pinned_bytes())
             return self._pinned
 
+    def ahead_pool(self) -> ThreadPoolExecutor:
+        """The threads that compress a large item while its caller writes the record before it
+        (:class:`_OneAhead`; created on first use, a thread per caller at most)."""
+        with self._lock:
+            if self._ahead_pool is None:
+                self._ahead_pool = ThreadPoolExecutor(AHEAD_THREADS, thread_name_prefix="nvdcp-encode-ahead")
+            return self._ahead_pool
+
     def close(self) -> None:
         """Stop the codec threads and free the GPU encoders and pinned buffers (reusable after)."""
         with self._lock:
             pool, self._pool = self._pool, None
+            ahead, self._ahead_pool = self._ahead_pool, None
             pinned, self._pinned = self._pinned, None
             self._idle.clear()
+        if ahead is not None:
+            ahead.shutdown(wait=True)  # first: its tasks wait on the codec pool
         if pool is not None:
             pool.shutdown(wait=True)
         if pinned is not None:
@@ -320,6 +332,7 @@ class ItemEncoder:
         encode_small = self._encode_small_batches if batches else self._encode_small
         small = _CpuBatches(self.codec_pool(), 2 * SMALL_ITEM_THREADS, self._small_gate,
                             functools.partial(encode_small, describe=describe), batches)
+        ahead = _OneAhead(self.ahead_pool())
         try:
             for key, data in items:
                 tensor = data.tensor if isinstance(data, DeltaTensor) else data
@@ -328,13 +341,22 @@ class ItemEncoder:
                     continue
                 nbytes = _nbytes(data)
                 if nbytes < SMALL_ITEM_BYTES:
+                    yield from ahead.drain()  # records come in the items' order
                     yield from small.add(key, data, nbytes)
                     continue
                 yield from small.drain()
-                yield key, self._encode_cpu(data, key, describe, self.codec_pool())
+                encode = functools.partial(self._encode_cpu, data, key, describe, self.codec_pool())
+                if _goes_ahead(data, nbytes):
+                    yield from ahead.push(key, encode)
+                else:
+                    yield from ahead.drain()
+                    yield key, encode()
+            yield from ahead.drain()
             yield from small.drain()
         finally:
-            small.close()  # on an error, no task may still read the items (staged buffers go back)
+            # on an error, no task may still read the items (staged buffers go back)
+            ahead.close()
+            small.close()
         if jobs:
             for job, encoded in self.encode_gpu_jobs(jobs, shares):
                 yield job.key, encoded
@@ -474,6 +496,53 @@ def _nbytes(data: ItemData) -> int:
     if isinstance(data, io.BytesIO):
         return data.getbuffer().nbytes
     return memoryview(data).nbytes  # type: ignore[arg-type]  # numpy arrays are buffers
+
+
+#: A large host tensor of at most this many bytes is compressed while the caller writes the
+#: record before it (:class:`_OneAhead`). Each caller then holds two items' plane buffers instead
+#: of one; larger items are compressed in turn, so that memory stays bounded.
+AHEAD_MAX_BYTES = 256 << 20
+#: Threads compressing ahead: one per caller (a writer's data file) at most; more callers wait.
+AHEAD_THREADS = 8
+
+
+def _goes_ahead(data: ItemData, nbytes: int) -> bool:
+    """Whether a large item may be compressed ahead of its turn: a plain host tensor (an item
+    saved against a base keeps its bytes in the base cache in the order items come) of at most
+    ``AHEAD_MAX_BYTES``."""
+    return isinstance(data, torch.Tensor) and data.device.type == "cpu" and nbytes <= AHEAD_MAX_BYTES
+
+
+class _OneAhead:
+    """Large items compressed one ahead of the caller: item N+1 is compressed (on a thread of
+    the encoder's ahead pool, which spreads its blocks over the codec pool) while the caller
+    writes item N's record. Before, the file thread compressed an item, then wrote it, and the
+    codec threads idled through every write (a 268 MB CPU save to /dev/shm: about 40 ms of
+    260)."""
+
+    def __init__(self, pool: ThreadPoolExecutor) -> None:
+        self.pool = pool
+        self.pending: tuple[Any, Future[EncodedItem]] | None = None
+
+    def push(self, key: Any, encode: Callable[[], EncodedItem]) -> Iterator[tuple[Any, EncodedItem]]:
+        """Start ``encode`` (``key``'s record); yields the record of the item pushed before it."""
+        before, self.pending = self.pending, (key, self.pool.submit(encode))  # tracked before any yield
+        if before is not None:
+            yield before[0], before[1].result()
+
+    def drain(self) -> Iterator[tuple[Any, EncodedItem]]:
+        """Yield the pending item's record, if any."""
+        if self.pending is not None:
+            (key, future), self.pending = self.pending, None
+            yield key, future.result()
+
+    def close(self) -> None:
+        """Wait for the pending item's compression; its record and error are dropped."""
+        if self.pending is not None:
+            _, future = self.pending
+            self.pending = None
+            with contextlib.suppress(BaseException):
+                future.result()
 
 
 #: Encodes one batch of small items: ``(keys, datas) -> records``, in order; or, for a caller

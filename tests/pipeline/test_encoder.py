@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import io
 import itertools
 import pickle
@@ -254,16 +255,67 @@ def test_encode_items_keeps_input_order_and_kinds(enc: ItemEncoder) -> None:
             assert _decoded_bytes(item) == data
 
 
-def test_encode_items_is_lazy_for_large_items(enc: ItemEncoder) -> None:
+def test_encode_items_pulls_one_large_item_ahead_and_no_further(enc: ItemEncoder) -> None:
+    """A large item's record comes once the next item was pulled (its compression starts while
+    the caller writes the record), and no item beyond that one is asked for."""
+    pulled = []
+
     def items() -> Iterator[tuple[str, torch.Tensor]]:
-        yield "a", torch.ones(SMALL_ITEM_BYTES // 4)
-        raise RuntimeError("second item requested")
+        for key in ("a", "b"):
+            pulled.append(key)
+            yield key, torch.ones(SMALL_ITEM_BYTES // 4)
+        raise RuntimeError("third item requested")
 
     gen = enc.encode_items(items(), str)
     key, first = next(gen)
     assert key == "a" and first.header.shape == (SMALL_ITEM_BYTES // 4,)
-    with pytest.raises(RuntimeError, match="second item requested"):
+    assert pulled == ["a", "b"]
+    with pytest.raises(RuntimeError, match="third item requested"):
         next(gen)
+
+
+def test_the_next_large_item_is_compressed_while_the_caller_holds_the_record_before_it(
+    enc: ItemEncoder, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While the caller writes item N's record, item N+1 is being compressed: the caller sees
+    N+1's compression start before it asks for the next record (without the overlap it would
+    wait here forever). Records come in the items' order, small ones between large ones too,
+    each the record that item gets encoded alone; closing the generator waits for the item
+    compressed ahead."""
+    started: dict[str, threading.Event] = collections.defaultdict(threading.Event)
+    finished: list[str] = []
+    encode_cpu = ItemEncoder._encode_cpu
+
+    slow: set[str] = set()
+
+    def watched(self: ItemEncoder, data: Any, key: Any, *args: Any, **kwargs: Any) -> Any:
+        started[key].set()
+        out = encode_cpu(self, data, key, *args, **kwargs)
+        time.sleep(0.5 if key in slow else 0.02)
+        finished.append(key)
+        return out
+
+    monkeypatch.setattr(ItemEncoder, "_encode_cpu", watched)
+    big = SMALL_ITEM_BYTES // 4
+    order = ["L0", "L1", "s2", "s3", "L4", "L5"]
+    tensors = {k: torch.arange(big if k[0] == "L" else 100, dtype=torch.float32) + i for i, k in enumerate(order)}
+    gen = enc.encode_items(iter(tensors.items()), str)
+    got = []
+    for key, record in gen:
+        got.append(key)
+        nxt = order.index(key) + 1
+        if key[0] == "L" and nxt < len(order) and order[nxt][0] == "L":
+            assert started[order[nxt]].wait(10), f"{order[nxt]} was not compressed while {key} was written"
+        assert decode_item(_record(record), key, None, 4)[1].tobytes() == tensors[key].numpy().tobytes()
+    assert got == order
+
+    slow.add("L1")
+    finished.clear()
+    gen = enc.encode_items(iter(tensors.items()), str)
+    assert next(gen)[0] == "L0"
+    assert "L1" not in finished  # still compressing (0.5 s)
+    gen.close()
+    assert finished == ["L0", "L1"]  # close waited for the item compressed ahead
 
 
 def test_encode_items_batches_small_items_with_a_bounded_look_ahead(enc: ItemEncoder) -> None:
