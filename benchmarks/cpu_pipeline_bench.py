@@ -12,6 +12,10 @@ Cases (local disk, warm page cache; default arguments for both writers and reade
   CPU machine, ``benchmarks.dcp_key_cost``), a cost stock and nvdcp share.
 - ``small_model``: the same 20,000 tensors under one key (``{"model": ...}``), as training code
   passes a model's ``state_dict()``: the per-item cost without that per-key logging.
+- ``moe``: 100,000 fp32/bf16 tensors of 1-64 KiB under one key (~370 MB; sizes 1 KiB x 2^k,
+  weight 0.6^k), named like a mixture-of-experts layer's shards: the item count an MoE model
+  under FSDP gives each rank (issue 18, part 3), to show the per-item cost stays flat from 20,000
+  items to 100,000. Its stock rounds take minutes: run it with ``--repeats 1``.
 - ``large``: 268 MB of fp32 in 3 tensors: per-byte cost and the extra RSS of a load.
 - ``demo``: the state of ``make demo``'s model (GPT d=256, 4 layers, with AdamW moments).
 
@@ -54,6 +58,7 @@ TARGETS = {
     "small": {"save_vs_stock": 0.35, "load_vs_stock": 0.35, "own_us_per_item": 30.0, "read_metadata_vs_stock": 1.2},
     "small_model": {"save_vs_stock": 0.35, "load_vs_stock": 0.35, "own_us_per_item": 30.0,
                     "read_metadata_vs_stock": 1.2},
+    "moe": {"save_vs_stock": 0.35, "load_vs_stock": 0.35, "own_us_per_item": 30.0, "read_metadata_vs_stock": 1.2},
     "large": {"save_vs_stock": 1.0, "load_vs_stock": 1.2, "load_rss_vs_stock": 1.0},
     "demo": {"load_vs_stock": 1.0},
 }
@@ -79,6 +84,21 @@ def small_model_state(seed: int = 0) -> dict[str, Any]:
     return {"model": small_state(seed=seed)}
 
 
+def moe_state(count: int = 100_000, seed: int = 0) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    weights = torch.tensor([0.6**k for k in range(7)])  # 1 KiB .. 64 KiB
+    ks = torch.multinomial(weights, count, replacement=True, generator=g).tolist()
+    experts: dict[str, torch.Tensor] = {}
+    for i, k in enumerate(ks):
+        nbytes = KiB << k
+        if i % 4 == 3:
+            t = torch.randn(nbytes // 2, generator=g).to(torch.bfloat16)
+        else:
+            t = torch.randn(nbytes // 4, generator=g)
+        experts[f"layers.{i // 64}.experts.{(i // 4) % 16}.w{i % 4}"] = t
+    return {"model": experts}
+
+
 def large_state(seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     n = 268_000_000 // 4 // 3
@@ -98,7 +118,7 @@ def demo_state() -> dict[str, Any]:
 
 
 WORKLOADS: dict[str, Callable[[], dict[str, Any]]] = {
-    "small": small_state, "small_model": small_model_state, "large": large_state, "demo": demo_state,
+    "small": small_state, "small_model": small_model_state, "moe": moe_state, "large": large_state, "demo": demo_state,
 }
 
 
