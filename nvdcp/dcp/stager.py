@@ -52,6 +52,7 @@ from nvdcp.format.dtypes import dtype_code
 from nvdcp.format.header import DEFAULT_CHUNK_BYTES, ItemHeader
 from nvdcp.gpu import gpu_available
 from nvdcp.gpu.config import GpuConfig
+from nvdcp.gpu.pinned import return_cached_pinned_memory
 from nvdcp.pipeline.config import EncodeConfig
 from nvdcp.pipeline.cpu import EncodedItem
 from nvdcp.pipeline.encoder import ItemEncoder
@@ -118,9 +119,7 @@ class HostBuffers:
         if had_pinned:
             # torch's pinned allocator caches freed blocks: hand the old segments back to the
             # system, or the process would pin them and the new ones.
-            empty_cache = getattr(torch._C, "_host_emptyCache", None)
-            if empty_cache is not None:
-                empty_cache()
+            return_cached_pinned_memory()
         # Slack for 64-byte alignment and segment ends (pieces never straddle two segments).
         left = min(-(-(nbytes + nbytes // 1024 + 256 * 1024) // MiB) * MiB, self.keep_bytes)
         while left >= MiB:
