@@ -4,9 +4,12 @@
 
 Measures, on the same bytes: host CRC32C of 64 KiB chunks (native batched library at 1, 4 and
 all threads; the ``crc32c`` package), pinned device-to-host and host-to-device copies, writes of
-a pinned buffer to /dev/shm (one file and four in parallel threads) and reads back, and whether
-Triton compiles a kernel here. These bound nvdcp's GB/s of stored bytes: a save cannot beat
-``min(D2H, CRC, write)`` unless the stages overlap. Writes ``host_probe_<date>.json``.
+a pinned buffer to /dev/shm (as 1, 2, 4 and 8 files, a thread each) and reads back, the CPU
+path's encode rate on one core (``encode_item`` of fp32 weights with the default layout: byte
+planes split, the top plane zstd-coded, every chunk checksummed), and whether Triton compiles a
+kernel here. These bound nvdcp's GB/s of stored bytes: a save cannot beat ``min(D2H, CRC,
+write)`` unless the stages overlap, and on the CPU path the encode and the write share the
+cores. Writes ``host_probe_<date>.json``.
 """
 
 from __future__ import annotations
@@ -87,12 +90,32 @@ def file_rates(buf: np.ndarray, where: str) -> dict[str, float]:
             list(pool.map(one, range(parts)))
 
     out = {}
-    for parts in (1, 4, 8):
+    for parts in (1, 2, 4, 8):
         out[f"write_t{parts}"] = buf.size / _best(lambda: run(parts, "wb")) / 1e9
         out[f"read_t{parts}"] = buf.size / _best(lambda: run(parts, "rb")) / 1e9
         for name in os.listdir(where):
             os.remove(os.path.join(where, name))
     return out
+
+
+def cpu_encode_rate(nbytes: int = 256 << 20) -> dict[str, float]:
+    """GB/s of fp32 state one core encodes on the CPU path (best of three), and the stored share."""
+    from nvdcp.format.dtypes import dtype_code
+    from nvdcp.format.header import KIND_TENSOR
+    from nvdcp.pipeline.cpu import encode_item
+    from nvdcp.pipeline.policy import choose_layout
+
+    t = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(0)) * 0.02
+    raw = t.numpy().view(np.uint8).ravel()
+    layout = choose_layout(torch.float32, "auto")
+
+    def once() -> int:
+        item = encode_item(raw, kind=KIND_TENSOR, dtype_code=dtype_code(torch.float32), shape=tuple(t.shape),
+                           element_size=4, layout=layout, pool=None)
+        return item.nbytes
+
+    stored = once()  # first: faults in the plane buffers
+    return {"encode_one_core": raw.size / _best(once) / 1e9, "stored_share": stored / raw.size}
 
 
 def triton_check() -> dict[str, Any]:
@@ -131,6 +154,7 @@ def main() -> None:
         result["copy_gb_per_s"] = copy_rates(nbytes)
         result["triton"] = triton_check()
     result["file_gb_per_s"] = file_rates(buf, args.dir)
+    result["cpu_path_gb_per_s"] = cpu_encode_rate()
     for key, value in result.items():
         print(f"{key}: {value}")
     print(write_results("host_probe", result, out_dir=args.out))

@@ -69,7 +69,7 @@ from nvdcp.gpu import gpu_available
 from nvdcp.gpu.config import GpuConfig
 from nvdcp.gpu.gil import short_switch_interval
 from nvdcp.pipeline.config import EncodeConfig
-from nvdcp.pipeline.cpu import EncodedItem
+from nvdcp.pipeline.cpu import EncodedItem, StreamedRecord
 from nvdcp.pipeline.delta import DEFAULT_MIN_GAIN, DeltaTensor, default_min_item_bytes
 from nvdcp.pipeline.encoder import ItemEncoder, shared_encoder
 from nvdcp.pipeline.record_batch import RecordBatch, split_by_load
@@ -801,6 +801,18 @@ class _FileWriter:
         self._count(encoded.header.raw_nbytes, encoded.nbytes, t1)
         self.results.append(self.writer._result(self.name, item, offset, encoded))
 
+    def write_streamed(self, item: WriteItem, record: StreamedRecord) -> None:
+        """Append a record whose chunks are written as they are compressed, its header last."""
+        assert self.out is not None
+        t1 = time.perf_counter()
+        try:
+            offset, encoded = self.out.append_streamed(record)
+        except BaseException:
+            record.close()  # no group may still be compressing into a failed file's record
+            raise
+        self._count(encoded.header.raw_nbytes, encoded.nbytes, t1)
+        self.results.append(self.writer._result(self.name, item, offset, encoded))
+
     def write_batch(self, batch: RecordBatch) -> None:
         """Append a batch of records (its memory stays valid until the next flush)."""
         assert self.out is not None
@@ -883,12 +895,16 @@ class _FileWriter:
                 torch.cuda.current_stream().wait_event(writer._caller_event)
             self.clock = time.perf_counter()
             if self.items:
-                # small host tensors come as batches (records back to back: one write each)
-                for entry in writer.encoder.encode_items(self._resolved(), _describe_item, batches=True):
+                # small host tensors come as batches (records back to back: one write each),
+                # large ones as streamed records where the file can take a header last
+                for entry in writer.encoder.encode_items(self._resolved(), _describe_item, batches=True,
+                                                         streams=stream.fills_in):
                     if isinstance(entry, RecordBatch):
                         self.write_batch(entry)
+                    elif isinstance(entry[1], StreamedRecord):
+                        self.write_streamed(entry[0], entry[1])
                     else:
-                        self.write(*entry)
+                        self.write(entry[0], entry[1])
                     self._write_queued(block=False)
                     if self.failed.is_set():
                         raise _SiblingFailed
@@ -992,6 +1008,23 @@ class _RecordWriter:
                 self._write_runs([encoded.header_bytes, *encoded.chunks])
         self.pos += size
         return offset
+
+    def append_streamed(self, record: StreamedRecord) -> tuple[int, EncodedItem]:
+        """Write ``record`` as its groups come: room for its header first, each group's chunks
+        as soon as they are compressed (the groups after it compress meanwhile), then the header
+        into the room. Returns its offset and the whole record."""
+        self.flush()
+        offset = self.stream.skip(record.head_nbytes)
+        assert offset == self.pos, "the record writer and its stream disagree on the offset"
+        for chunks in record.groups():
+            if self.max_run is None:
+                self.stream.writelines(chunks)
+            else:
+                self._write_runs(chunks)
+        encoded = record.finish()
+        self.stream.write_at(offset, encoded.header_bytes)
+        self.pos += encoded.nbytes
+        return offset, encoded
 
     def append_batch(self, batch: RecordBatch) -> np.ndarray:
         """Write ``batch``'s records; returns their offsets in the file. Small records go out

@@ -10,11 +10,12 @@ copies (:func:`split_planes`, :func:`merge_planes`; the same bytes either way).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
@@ -286,9 +287,7 @@ def encode_item(
     ``base_digest`` (the base item's record digest) goes into its header (docs/FORMAT.md, "Delta
     checkpoints"). ``keep`` (with ``base``; ``raw.size`` bytes, may be ``base`` itself) receives
     ``raw`` as the difference is taken, for the next save's base."""
-    for name in layout.plane_codecs:
-        if name in GPU_ONLY:
-            raise CodecUnavailableError(f"codec {name!r} can only encode on a GPU")
+    _check_host_codecs(layout)
     n_planes = element_size if layout.transform == TRANSFORM_BYTEPLANES else 1
     delta: _Delta | None = None
     if base is not None:
@@ -302,6 +301,28 @@ def encode_item(
         probe = min(raw.size, chunk_bytes * n_planes)
         first = delta_transform.encode_np(raw[:probe], base[:probe], delta_kind, element_size)
         layout, codecs = _probe_planes(first, n_planes, layout, codecs, chunk_bytes)
+    job, spans = _group_job(raw, n_planes, codecs, chunk_bytes, delta)
+    if pool is None or len(spans) < 2:
+        results = [job(span) for span in spans]
+    else:
+        results = list(pool.map(job, spans))
+    stored = [pair for group in results for pair in group]
+    header = _header(raw, kind, dtype_code, shape, layout, chunk_bytes, stored, base_digest if base is not None else None,
+                     delta_kind if base is not None else 0)
+    unchanged = delta is not None and not delta.changed
+    return EncodedItem(header, header.pack(), [s for s, _ in stored], unchanged)
+
+
+def _check_host_codecs(layout: Layout) -> None:
+    for name in layout.plane_codecs:
+        if name in GPU_ONLY:
+            raise CodecUnavailableError(f"codec {name!r} can only encode on a GPU")
+
+
+def _group_job(raw: np.ndarray, n_planes: int, codecs: list[Codec | None], chunk_bytes: int, delta: _Delta | None,
+               ) -> tuple[Callable[[range], list[tuple[bytes | memoryview, int]]], list[range]]:
+    """The task that encodes one group of blocks of ``raw`` (:func:`_encode_blocks`) and the
+    groups of about ``_GROUP_BYTES``, in order."""
     n_blocks = -(-(raw.size // n_planes) // chunk_bytes)
     per = max(1, _GROUP_BYTES // (chunk_bytes * n_planes))
     spans = [range(s, min(n_blocks, s + per)) for s in range(0, n_blocks, per)]
@@ -310,13 +331,13 @@ def encode_item(
     # pages (where the kernel has them) instead of a fresh mapping per group (the split measured
     # about 2x faster so).
     planes_buf = PLANE_BUFFERS.take(raw.size) if n_planes > 1 and raw.size else None
-    job = functools.partial(_encode_blocks, raw, n_planes, codecs, chunk_bytes, planes_buf, delta)
-    if pool is None or len(spans) < 2:
-        results = [job(span) for span in spans]
-    else:
-        results = list(pool.map(job, spans))
-    stored = [pair for group in results for pair in group]
-    header = ItemHeader(
+    return functools.partial(_encode_blocks, raw, n_planes, codecs, chunk_bytes, planes_buf, delta), spans
+
+
+def _header(raw: np.ndarray, kind: int, dtype_code: int, shape: tuple[int, ...], layout: Layout, chunk_bytes: int,
+            stored: Sequence[tuple[bytes | memoryview, int]], base_digest: int | None = None,
+            delta_kind: int = 0) -> ItemHeader:
+    return ItemHeader(
         kind=kind,
         dtype_code=dtype_code,
         shape=shape,
@@ -325,11 +346,80 @@ def encode_item(
         plane_codecs=layout_codec_ids(layout.plane_codecs),
         chunks=ChunkTable.from_columns([len(s) for s, _ in stored], [crc for _, crc in stored]),
         chunk_bytes=chunk_bytes,
-        base_digest=base_digest if base is not None else None,
-        delta_kind=delta_kind if base is not None else 0,
+        base_digest=base_digest,
+        delta_kind=delta_kind,
     )
-    unchanged = delta is not None and not delta.changed
-    return EncodedItem(header, header.pack(), [s for s, _ in stored], unchanged)
+
+
+class StreamedRecord:
+    """A large item's record delivered group by group (:func:`stream_item`).
+
+    Its header's size is known before any chunk (``head_nbytes``: it depends on the chunk count,
+    not on the chunks), so a writer that can fill in an earlier part of its file leaves that
+    much room, writes each group's chunks as :meth:`groups` yields them (while the codec pool
+    compresses the groups after it), then writes :meth:`finish`'s header into the room. The
+    record's bytes are exactly :func:`encode_item`'s. Without this, nothing of an item could be
+    written before all of it was compressed, and the last item's write ran alone on one core
+    (CPU machine, a 268 MB save to /dev/shm)."""
+
+    def __init__(self, header_of: Callable[[list[tuple[bytes | memoryview, int]]], ItemHeader], head_nbytes: int,
+                 n_chunks: int, job: Callable[[range], list[tuple[bytes | memoryview, int]]], spans: list[range],
+                 pool: Executor | None) -> None:
+        self.head_nbytes = head_nbytes
+        self._header_of = header_of  # the header, given every chunk's stored bytes and CRC32C
+        self._n_chunks = n_chunks
+        self._job = job
+        self._spans = spans
+        # every group queued now (the pool's FIFO keeps them in order behind earlier work)
+        self._futures = [pool.submit(job, span) for span in spans] if pool is not None and len(spans) > 1 else None
+        self._stored: list[tuple[bytes | memoryview, int]] = []
+
+    def groups(self) -> Iterator[list[bytes | memoryview]]:
+        """Each group's stored chunks, in order, as soon as it is compressed (once)."""
+        for i, span in enumerate(self._spans):
+            pairs = self._job(span) if self._futures is None else self._futures[i].result()
+            self._stored.extend(pairs)
+            yield [chunk for chunk, _ in pairs]
+
+    def finish(self) -> EncodedItem:
+        """The whole record, once :meth:`groups` has yielded every group."""
+        if len(self._stored) != self._n_chunks:
+            raise RuntimeError("StreamedRecord.finish before every group was taken")
+        header = self._header_of(self._stored)
+        packed = header.pack()
+        if len(packed) != self.head_nbytes:  # the room left for it must fit it exactly
+            raise AssertionError(f"a streamed record's header is {len(packed)} bytes, {self.head_nbytes} were left")
+        return EncodedItem(header, packed, [chunk for chunk, _ in self._stored])
+
+    def close(self) -> None:
+        """Cancel the groups not started and wait for the running ones (their results dropped)."""
+        for future in self._futures or ():
+            future.cancel()
+            with contextlib.suppress(BaseException):
+                future.result()
+
+
+def stream_item(
+    raw: np.ndarray,
+    *,
+    kind: int,
+    dtype_code: int,
+    shape: tuple[int, ...],
+    element_size: int,
+    layout: Layout,
+    pool: Executor | None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> StreamedRecord:
+    """:func:`encode_item` of an item stored whole, as a :class:`StreamedRecord`: its groups
+    are queued on ``pool`` now and come back in order."""
+    _check_host_codecs(layout)
+    n_planes = element_size if layout.transform == TRANSFORM_BYTEPLANES else 1
+    codecs = plane_encoders(layout.plane_codecs, n_planes, planes_hold(False, kind, dtype_code, layout))
+    job, spans = _group_job(raw, n_planes, codecs, chunk_bytes, None)
+    n_chunks = sum(len(span) for span in spans) * n_planes
+    head_nbytes = ItemHeader.packed_size(len(shape), len(layout.plane_codecs), n_chunks)
+    header_of = functools.partial(_header, raw, kind, dtype_code, shape, layout, chunk_bytes, base_digest=None, delta_kind=0)
+    return StreamedRecord(header_of, head_nbytes, n_chunks, job, spans, pool)
 
 
 def chunk_table(header: ItemHeader) -> tuple[np.ndarray, np.ndarray]:

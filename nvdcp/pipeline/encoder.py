@@ -24,7 +24,7 @@ import io
 import threading
 from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, TypeGuard, overload
 
 import numpy as np
 import torch
@@ -35,7 +35,7 @@ from nvdcp.format.header import KIND_BYTES, KIND_TENSOR
 from nvdcp.gpu import gpu_available
 from nvdcp.gpu.config import GpuConfig
 from nvdcp.pipeline.config import EncodeConfig
-from nvdcp.pipeline.cpu import EncodedItem, encode_item
+from nvdcp.pipeline.cpu import EncodedItem, StreamedRecord, encode_item, stream_item
 from nvdcp.pipeline.cpu_batch import encode_delta_batch, encode_tensor_batch, encode_tensor_batches
 from nvdcp.pipeline.delta import DeltaInput, DeltaTensor
 from nvdcp.pipeline.policy import GPU_AUTO_CODEC, choose_delta_layout, choose_layout
@@ -197,6 +197,20 @@ class ItemEncoder:
             delta.store_kept(raw)  # after the difference read the base there
         return encoded
 
+    def _streams(self, data: ItemData) -> TypeGuard[torch.Tensor]:
+        """Whether ``data`` may come as a :class:`~nvdcp.pipeline.cpu.StreamedRecord`: a plain
+        host tensor stored whole (a delta's record is chosen after its difference is coded)."""
+        return isinstance(data, torch.Tensor) and data.device.type == "cpu" and not self.config.gpu_only
+
+    def stream_tensor(self, tensor: torch.Tensor, where: str, pool: Executor | None) -> StreamedRecord:
+        """:meth:`encode_tensor` of a host tensor stored whole, as a record whose chunks come
+        group by group (its groups queued on ``pool`` now)."""
+        return stream_item(
+            tensor_to_host_bytes(tensor), kind=KIND_TENSOR, dtype_code=_dtype_code(tensor.dtype, where),
+            shape=tuple(tensor.shape), element_size=tensor.element_size(),
+            layout=choose_layout(tensor.dtype, self.config.codec), pool=pool, chunk_bytes=self.config.chunk_bytes,
+        )
+
     # -- the GPU path --------------------------------------------------------------------------
     def gpu_job(self, key: Any, tensor: torch.Tensor | DeltaTensor, where: str) -> GpuJob:
         """Describe ``tensor`` for a GPU encode (moved to the current GPU if it is on the host);
@@ -300,19 +314,25 @@ class ItemEncoder:
     @overload
     def encode_items(
         self, items: Iterable[tuple[Any, ItemData]], describe: Callable[[Any], str], shares: int = 1,
-        batches: Literal[False] = False,
+        batches: Literal[False] = False, streams: Literal[False] = False,
     ) -> Iterator[tuple[Any, EncodedItem]]: ...
 
     @overload
     def encode_items(
         self, items: Iterable[tuple[Any, ItemData]], describe: Callable[[Any], str], shares: int = 1, *,
-        batches: Literal[True],
+        batches: Literal[True], streams: Literal[False] = False,
     ) -> Iterator[tuple[Any, EncodedItem] | RecordBatch]: ...
+
+    @overload
+    def encode_items(
+        self, items: Iterable[tuple[Any, ItemData]], describe: Callable[[Any], str], shares: int = 1, *,
+        batches: Literal[True], streams: bool,
+    ) -> Iterator[tuple[Any, EncodedItem | StreamedRecord] | RecordBatch]: ...
 
     def encode_items(
         self, items: Iterable[tuple[Any, ItemData]], describe: Callable[[Any], str], shares: int = 1,
-        batches: bool = False,
-    ) -> Iterator[tuple[Any, EncodedItem] | RecordBatch]:
+        batches: bool = False, streams: bool = False,
+    ) -> Iterator[tuple[Any, EncodedItem | StreamedRecord] | RecordBatch]:
         """Encode ``(key, data)`` pairs; yields ``(key, record)``; with ``batches``, a batch of
         small host tensors stored whole comes as :class:`RecordBatch` objects instead (one per dtype;
         ``batch.jobs[i].key`` is record ``i``'s key).
@@ -325,7 +345,11 @@ class ItemEncoder:
         collected and encoded in batched calls at the end (one nvCOMP call per codec and
         bucket, however many tensors).
         ``describe(key)`` names an item in errors. Chunks of GPU records view reused pinned
-        memory: consume each record before asking for the next.
+        memory: consume each record before asking for the next. With ``streams`` (a caller that
+        writes a record's chunks before its header), large plain host tensors come as
+        :class:`~nvdcp.pipeline.cpu.StreamedRecord` objects, whose chunks are yielded group by
+        group as they are compressed; the caller takes all of them, then ``finish()``, before
+        asking for the next item (on an error, ``close()``).
         """
         gpu_ok = gpu_available()
         jobs: list[GpuJob] = []
@@ -345,6 +369,14 @@ class ItemEncoder:
                     yield from small.add(key, data, nbytes)
                     continue
                 yield from small.drain()
+                if streams and self._streams(data):
+                    record = functools.partial(self.stream_tensor, data, describe(key), self.codec_pool())
+                    if _goes_ahead(data, nbytes):
+                        yield from ahead.push_started(key, record())
+                    else:
+                        yield from ahead.drain()
+                        yield key, record()
+                    continue
                 encode = functools.partial(self._encode_cpu, data, key, describe, self.codec_pool())
                 if _goes_ahead(data, nbytes):
                     yield from ahead.push(key, encode)
@@ -522,15 +554,24 @@ class _OneAhead:
 
     def __init__(self, pool: ThreadPoolExecutor) -> None:
         self.pool = pool
-        self.pending: tuple[Any, Future[EncodedItem]] | None = None
+        self.pending: tuple[Any, Future[EncodedItem | StreamedRecord]] | None = None
 
-    def push(self, key: Any, encode: Callable[[], EncodedItem]) -> Iterator[tuple[Any, EncodedItem]]:
+    def push(self, key: Any, encode: Callable[[], EncodedItem]) -> Iterator[tuple[Any, EncodedItem | StreamedRecord]]:
         """Start ``encode`` (``key``'s record); yields the record of the item pushed before it."""
         before, self.pending = self.pending, (key, self.pool.submit(encode))  # tracked before any yield
         if before is not None:
             yield before[0], before[1].result()
 
-    def drain(self) -> Iterator[tuple[Any, EncodedItem]]:
+    def push_started(self, key: Any, record: StreamedRecord) -> Iterator[tuple[Any, EncodedItem | StreamedRecord]]:
+        """Hold ``record`` (its groups already queued on the codec pool, behind the record
+        before it); yields the record of the item pushed before it."""
+        started: Future[EncodedItem | StreamedRecord] = Future()
+        started.set_result(record)
+        before, self.pending = self.pending, (key, started)
+        if before is not None:
+            yield before[0], before[1].result()
+
+    def drain(self) -> Iterator[tuple[Any, EncodedItem | StreamedRecord]]:
         """Yield the pending item's record, if any."""
         if self.pending is not None:
             (key, future), self.pending = self.pending, None
@@ -542,7 +583,9 @@ class _OneAhead:
             _, future = self.pending
             self.pending = None
             with contextlib.suppress(BaseException):
-                future.result()
+                record = future.result()
+                if isinstance(record, StreamedRecord):
+                    record.close()
 
 
 #: Encodes one batch of small items: ``(keys, datas) -> records``, in order; or, for a caller

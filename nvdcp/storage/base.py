@@ -52,6 +52,10 @@ def check_name(name: str, root: str) -> str:
 class WriteStream(ABC):
     """An object being written. Nothing is visible as complete until :meth:`commit` returns."""
 
+    #: Whether room may be left (:meth:`skip`) and filled in later (:meth:`write_at`): files,
+    #: not upload streams, which send their bytes in order.
+    fills_in = False
+
     @abstractmethod
     def write(self, data: Buffer) -> None:
         """Append ``data``."""
@@ -83,6 +87,15 @@ class WriteStream(ABC):
         """Append every piece of ``gather`` in order (many records at once). Local files
         override this with vectored writes that make no Python object per piece."""
         self.writelines(gather)
+
+    def skip(self, nbytes: int) -> int:
+        """Leave ``nbytes`` of room, filled in later by :meth:`write_at`; returns its offset.
+        Only where :attr:`fills_in`."""
+        raise NotImplementedError(f"{type(self).__name__} writes its bytes in order only")
+
+    def write_at(self, offset: int, data: Buffer) -> None:
+        """Write ``data`` into room :meth:`skip` left at ``offset``. Only where :attr:`fills_in`."""
+        raise NotImplementedError(f"{type(self).__name__} writes its bytes in order only")
 
 
 class Storage(ABC):

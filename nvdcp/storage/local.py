@@ -282,7 +282,10 @@ def _fsync_dir(path: str) -> None:
 
 class _LocalWriteStream(WriteStream):
     """Appends at a position it tracks itself (``pwrite``: the file offset is never used), so
-    large buffers go out as slices written from several threads at their offsets."""
+    large buffers go out as slices written from several threads at their offsets, and room left
+    by :meth:`skip` is filled in later (a record's header, after its chunks)."""
+
+    fills_in = True
 
     def __init__(self, path: str, sync: bool) -> None:
         self.path = path
@@ -361,6 +364,20 @@ class _LocalWriteStream(WriteStream):
             del keep  # the buffers the rows point into lived until every call returned
         self._pos += total
         self._start_writeback()
+
+    def skip(self, nbytes: int) -> int:
+        at = self._pos
+        self._pos += nbytes
+        return at
+
+    def write_at(self, offset: int, data: Buffer) -> None:
+        view = memoryview(data).cast("B")
+        if offset < 0 or offset + len(view) > self._pos:
+            raise ValueError(f"{self.path}: write_at({offset}, {len(view)} bytes) outside the {self._pos} bytes so far")
+        try:
+            _pwritev_all(self._file.fileno(), offset, [view])
+        except OSError as exc:
+            raise _storage_error(exc, f"writing {self.path}", self.path) from exc
 
     def commit(self) -> None:
         try:

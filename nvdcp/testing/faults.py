@@ -85,6 +85,7 @@ class Stopper:
 class _Stream:
     def __init__(self, inner: Any, stopper: Stopper) -> None:
         self.inner, self.stopper = inner, stopper
+        self.fills_in = inner.fills_in  # room left and filled in later (a streamed record's header)
 
     def write(self, data: Any) -> None:
         view = memoryview(data).cast("B")
@@ -107,6 +108,18 @@ class _Stream:
 
     def tell(self) -> int:
         return self.inner.tell()
+
+    def skip(self, nbytes: int) -> int:
+        return int(self.inner.skip(nbytes))
+
+    def write_at(self, offset: int, data: Any) -> None:
+        """Through the stop point as a write: a stop here leaves the header's room unfilled."""
+        view = memoryview(data).cast("B")
+        ok = self.stopper.allow(len(view))
+        if ok:
+            self.inner.write_at(offset, view[:ok])
+        if ok < len(view) or self.stopper.exhausted():
+            self.stopper.action()
 
     def commit(self) -> None:
         self.inner.commit()

@@ -323,6 +323,7 @@ def test_small_host_tensors_reach_the_files_as_record_batches(
     batched: list[int] = []
     single: list[str] = []
     write_batch, write = writer_module._FileWriter.write_batch, writer_module._FileWriter.write
+    write_streamed = writer_module._FileWriter.write_streamed
 
     def counting_batch(self: Any, batch: Any) -> None:
         batched.append(len(batch))
@@ -332,8 +333,13 @@ def test_small_host_tensors_reach_the_files_as_record_batches(
         single.append(item.index.fqn)
         write(self, item, encoded, borrowed)
 
+    def counting_streamed(self: Any, item: Any, record: Any) -> None:
+        single.append(item.index.fqn)
+        write_streamed(self, item, record)
+
     monkeypatch.setattr(writer_module._FileWriter, "write_batch", counting_batch)
     monkeypatch.setattr(writer_module._FileWriter, "write", counting_write)
+    monkeypatch.setattr(writer_module._FileWriter, "write_streamed", counting_streamed)
     sd: dict[str, Any] = {f"small{i}": random_tensor(torch.bfloat16 if i % 3 else torch.float32, (64, 9 + i), seed=i)
                           for i in range(300)}
     sd["large"] = weights_like((1100, 1024), seed=7)  # over the small-item size: encoded alone
