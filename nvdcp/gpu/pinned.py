@@ -67,8 +67,8 @@ class PinnedPool:
     def trim(self) -> None:
         """Drop every free buffer and return its pinned memory to the system."""
         with self._lock:
-            for b in self._free:
-                self.allocated -= b.numel()
+            # no name may still hold a buffer when the cache is emptied (a loop variable did)
+            self.allocated -= sum(b.numel() for b in self._free)
             self._free.clear()
         if self.pin:
             return_cached_pinned_memory()
