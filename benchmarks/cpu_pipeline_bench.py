@@ -17,6 +17,8 @@ Cases (local disk, warm page cache; default arguments for both writers and reade
   under FSDP gives each rank (issue 18, part 3), to show the per-item cost stays flat from 20,000
   items to 100,000. Its stock rounds take minutes: run it with ``--repeats 1``.
 - ``large``: 268 MB of fp32 in 3 tensors: per-byte cost and the extra RSS of a load.
+- ``one_large``: 1 GB of fp32 in one tensor: a single record, whose write can overlap its own
+  compression only when it is written as it compresses (no issue target; for A/B runs).
 - ``demo``: the state of ``make demo``'s model (GPT d=256, 4 layers, with AdamW moments).
 
 For every case, ``dcp.save`` then ``dcp.load`` (into a preallocated state dict) with torch's
@@ -105,6 +107,11 @@ def large_state(seed: int = 0) -> dict[str, torch.Tensor]:
     return {f"w{i}": torch.randn(n // 1024, 1024, generator=g) for i in range(3)}
 
 
+def one_large_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(250_000_000 // 1024, 1024, generator=g) * 0.02}
+
+
 def demo_state() -> dict[str, Any]:
     from nvdcp.demo.model import GPT, GPTConfig
 
@@ -118,7 +125,7 @@ def demo_state() -> dict[str, Any]:
 
 
 WORKLOADS: dict[str, Callable[[], dict[str, Any]]] = {
-    "small": small_state, "small_model": small_model_state, "moe": moe_state, "large": large_state, "demo": demo_state,
+    "small": small_state, "small_model": small_model_state, "moe": moe_state, "large": large_state, "one_large": one_large_state, "demo": demo_state,
 }
 
 

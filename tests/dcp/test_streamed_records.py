@@ -76,10 +76,10 @@ def test_a_large_tensor_is_written_while_its_later_groups_compress(
     encode_blocks, writelines = cpu_module._encode_blocks, local_module._LocalWriteStream.writelines
     last_block = -(-(3 * MiB) // (64 << 10)) - 1
 
-    def gated_blocks(*args: Any) -> Any:
-        if args[-1].stop - 1 == last_block:  # the item's last group
+    def gated_blocks(*args: Any, **kwargs: Any) -> Any:
+        if args[6].stop - 1 == last_block:  # the item's last group
             waited.append(first_write.wait(timeout=20))
-        return encode_blocks(*args)
+        return encode_blocks(*args, **kwargs)
 
     def noting_writelines(self: Any, parts: Any) -> None:
         parts = list(parts)
@@ -202,11 +202,8 @@ def test_encode_items_streams_large_host_tensors_in_their_order_and_one_ahead() 
             if key == "b":
                 assert started == ["a", "b", "c"], "the next large item is started one ahead"
             assert isinstance(record, StreamedRecord)
-            if isinstance(record, StreamedRecord):
-                for _ in record.groups():
-                    pass
-                record = record.finish()
-            got.append((key, record))
+            chunks = b"".join(bytes(c) for group in record.groups() for c in group)  # valid until the next group
+            got.append((key, (record.finish().header_bytes, chunks)))
     finally:
         encoder.close()
     assert [k for k, _ in got] == ["a", "s", "b", "c"]
@@ -214,5 +211,24 @@ def test_encode_items_streams_large_host_tensors_in_their_order_and_one_ahead() 
         if record is None:
             continue
         want = encoder.encode_tensor(tensor, key, pool=None)
-        assert record.header_bytes == want.header_bytes
-        assert b"".join(bytes(c) for c in record.chunks) == b"".join(bytes(c) for c in want.chunks)
+        assert record == (want.header_bytes, b"".join(bytes(c) for c in want.chunks))
+
+
+@pytest.mark.parametrize("window", [1, 2])
+def test_group_buffers_are_reused_a_window_later_without_changing_a_byte(
+    window: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An item over ``STREAM_WHOLE_MAX_BYTES``: its groups (ten, of a 10 MiB tensor) share a
+    ring of ``window`` plane buffer slots of one group's size."""
+    monkeypatch.setattr(cpu_module, "STREAM_WHOLE_MAX_BYTES", 0)
+    monkeypatch.setattr(cpu_module, "STREAM_RING_BYTES", window * MiB)
+    t = weights_like((10 * MiB // 4 + 3,))
+    kw: dict[str, Any] = dict(kind=KIND_TENSOR, dtype_code=dtype_code(t.dtype), shape=tuple(t.shape),
+                              element_size=4, layout=choose_layout(t.dtype, "auto"), chunk_bytes=64 << 10)
+    with ThreadPoolExecutor(2) as pool:
+        record = stream_item(_raw(t), pool=pool, **kw)
+        assert len(record._ring) == window and all(b is not None and b.size <= MiB for b in record._ring)
+        streamed = b"".join(bytes(c) for group in record.groups() for c in group)
+        header = record.finish().header_bytes
+    whole = encode_item(_raw(t), pool=None, **kw)
+    assert header == whole.header_bytes and streamed == b"".join(bytes(c) for c in whole.chunks)
