@@ -324,16 +324,21 @@ def _check_host_codecs(layout: Layout) -> None:
 def _group_job(raw: np.ndarray, n_planes: int, codecs: list[Codec | None], chunk_bytes: int, delta: _Delta | None,
                ) -> tuple[Callable[[range], list[tuple[bytes | memoryview, int]]], list[range]]:
     """The task that encodes one group of blocks of ``raw`` (:func:`_encode_blocks`) and the
-    groups of about ``_GROUP_BYTES``, in order."""
-    n_blocks = -(-(raw.size // n_planes) // chunk_bytes)
-    per = max(1, _GROUP_BYTES // (chunk_bytes * n_planes))
-    spans = [range(s, min(n_blocks, s + per)) for s in range(0, n_blocks, per)]
+    groups (:func:`_group_spans`)."""
+    spans = _group_spans(raw.size, n_planes, chunk_bytes)
     # One plane buffer for the whole item, not one per group: the raw planes' chunks view it
     # until the item is written either way, and one large allocation is faulted in with huge
     # pages (where the kernel has them) instead of a fresh mapping per group (the split measured
     # about 2x faster so).
     planes_buf = PLANE_BUFFERS.take(raw.size) if n_planes > 1 and raw.size else None
     return functools.partial(_encode_blocks, raw, n_planes, codecs, chunk_bytes, planes_buf, delta), spans
+
+
+def _group_spans(nbytes: int, n_planes: int, chunk_bytes: int) -> list[range]:
+    """An item's blocks in groups of about ``_GROUP_BYTES`` (the codec pool's tasks), in order."""
+    n_blocks = -(-(nbytes // n_planes) // chunk_bytes)
+    per = max(1, _GROUP_BYTES // (chunk_bytes * n_planes))
+    return [range(s, min(n_blocks, s + per)) for s in range(0, n_blocks, per)]
 
 
 def _header(raw: np.ndarray, kind: int, dtype_code: int, shape: tuple[int, ...], layout: Layout, chunk_bytes: int,
@@ -452,18 +457,18 @@ def stream_item(
     _check_host_codecs(layout)
     n_planes = element_size if layout.transform == TRANSFORM_BYTEPLANES else 1
     codecs = plane_encoders(layout.plane_codecs, n_planes, planes_hold(False, kind, dtype_code, layout))
-    n_blocks = -(-(raw.size // n_planes) // chunk_bytes)
-    per = max(1, _GROUP_BYTES // (chunk_bytes * n_planes))
-    spans = [range(s, min(n_blocks, s + per)) for s in range(0, n_blocks, per)]
+    spans = _group_spans(raw.size, n_planes, chunk_bytes)
+    n_chunks = sum(len(span) for span in spans) * n_planes
 
     def job(planes: np.ndarray | None, blocks: range) -> list[tuple[bytes | memoryview, int]]:
         return _encode_blocks(raw, n_planes, codecs, chunk_bytes, planes, None, blocks,
                               origin=blocks.start * chunk_bytes * n_planes)
 
     header_of = functools.partial(_header, raw, kind, dtype_code, shape, layout, chunk_bytes)
-    head_nbytes = ItemHeader.packed_size(len(shape), len(layout.plane_codecs), n_blocks * n_planes)
-    ring = _plane_slots(raw.size, per * chunk_bytes * n_planes, len(spans), n_planes > 1)
-    return StreamedRecord(header_of, head_nbytes, n_blocks * n_planes, job, spans, ring, pool)
+    head_nbytes = ItemHeader.packed_size(len(shape), len(layout.plane_codecs), n_chunks)
+    group_bytes = len(spans[0]) * chunk_bytes * n_planes if spans else 0
+    ring = _plane_slots(raw.size, group_bytes, len(spans), n_planes > 1)
+    return StreamedRecord(header_of, head_nbytes, n_chunks, job, spans, ring, pool)
 
 
 def _plane_slots(nbytes: int, group_bytes: int, n_groups: int, planar: bool) -> list[np.ndarray | None]:
