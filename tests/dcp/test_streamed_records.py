@@ -232,3 +232,18 @@ def test_group_buffers_are_reused_a_window_later_without_changing_a_byte(
         header = record.finish().header_bytes
     whole = encode_item(_raw(t), pool=None, **kw)
     assert header == whole.header_bytes and streamed == b"".join(bytes(c) for c in whole.chunks)
+
+
+def test_a_failed_streamed_record_stops_the_one_ahead_and_the_next_save_works(tmp_path: Path) -> None:
+    """The write of the first of two large tensors fails half-way while the second is already
+    compressing ahead: the save fails without hanging, and the same process's next save (the
+    shared encoder's codec pool again) writes both and loads them bit-exactly."""
+    sd = {"a": weights_like((2 * MiB,), seed=5), "b": weights_like((2 * MiB,), seed=6)}
+    stopper = F.Stopper(after_bytes=2 * MiB, action=_raise_enospc)
+    with pytest.raises(CheckpointException):
+        dcp.save(sd, storage_writer=F.StoppingWriter(tmp_path / "failed", stopper=stopper, thread_count=1))
+    assert not (tmp_path / "failed" / ".metadata").exists()
+    save(sd, tmp_path / "ok", thread_count=1)
+    out = empty_like_sd(sd)
+    load(out, tmp_path / "ok")
+    assert bit_equal(out["a"], sd["a"]) and bit_equal(out["b"], sd["b"])
