@@ -20,7 +20,6 @@ caller runs in the background.
 
 from __future__ import annotations
 
-import bisect
 import os
 import queue
 import threading
@@ -40,8 +39,9 @@ from nvdcp.gpu import crc32c
 from nvdcp.gpu.bound import SaveBound, fit_scratch
 from nvdcp.gpu.merge import PLANE_COUNTS, merge_table, split_available, split_rows
 from nvdcp.gpu.nvcomp_batch import WORKSPACES, BatchResult, NvcompCallError, side_streams_on
-from nvdcp.gpu.nvcomp_codecs import CodecCache, typed_data_type
+from nvdcp.gpu.nvcomp_codecs import CodecCache
 from nvdcp.gpu.pinned import PinnedPool
+from nvdcp.gpu.plan import Bucket, JobColumns, Segment, plan_buckets
 from nvdcp.pipeline.cpu import EncodedItem, layout_codec_ids
 from nvdcp.pipeline.delta import DeltaInput
 from nvdcp.pipeline.policy import Layout
@@ -114,7 +114,7 @@ class HostSink(Protocol):
 class HostBucket:
     """A bucket's stored chunks in host memory, complete once ``done`` has happened."""
 
-    bucket: _Bucket
+    bucket: Bucket
     stored: np.ndarray  # stored bytes of each slot
     offsets: np.ndarray  # where each slot's chunk starts in the packed bucket
     runs: list[tuple[torch.Tensor, int, int]]  # host buffers holding slots lo..hi-1
@@ -217,25 +217,35 @@ class _KernelSplit:
 
     def __init__(self, chunk_bytes: int) -> None:
         self.c = chunk_bytes
-        #: per plane count: one ``(address, elements, first block, blocks, first slot)`` per segment
-        self.by_planes: dict[int, list[tuple[int, int, int, int, int]]] = {}
+        #: per plane count: the bucket's segments it splits, and their tensors' addresses
+        self.by_planes: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     @staticmethod
-    def takes(job: GpuJob) -> bool:
-        return (job.delta is None and job.keep is None and job.n_planes in PLANE_COUNTS
-                and 0 < job.nbytes <= KERNEL_SPLIT_MAX_BYTES)
+    def takes(bucket: Bucket) -> np.ndarray:
+        """Which of the bucket's segments it splits: those of tensors up to
+        ``KERNEL_SPLIT_MAX_BYTES`` with nothing to difference or keep (and a plane count it has)."""
+        cols = bucket.cols
+        nbytes = cols.nbytes[bucket.job]
+        return (cols.plain[bucket.job] & np.isin(bucket.planes, PLANE_COUNTS)
+                & (nbytes > 0) & (nbytes <= KERNEL_SPLIT_MAX_BYTES))
 
-    def add(self, job: GpuJob, seg: _Segment) -> None:
-        if seg.n_blocks:
-            self.by_planes.setdefault(job.n_planes, []).append(
-                (job.data.data_ptr(), job.elements, seg.first_block, seg.n_blocks, seg.first_slot))
+    def add(self, jobs: list[GpuJob], bucket: Bucket, segments: np.ndarray) -> None:
+        """Split ``segments`` (indices into the bucket's, each of a job it takes) too."""
+        segments = segments[bucket.n_blocks[segments] > 0]
+        planes = bucket.planes[segments]
+        for p in np.unique(planes).tolist():
+            mine = segments[planes == p]
+            addr = np.fromiter((jobs[j].data.data_ptr() for j in bucket.job[mine].tolist()), dtype=np.int64,
+                               count=len(mine))
+            self.by_planes[p] = (mine, addr)
 
-    def run(self, slots: torch.Tensor) -> None:
+    def run(self, bucket: Bucket, slots: torch.Tensor) -> None:
         """Queue the splits on the current stream: every plane count's table built in numpy, the
         tables sent to the GPU in one upload (each upload waits for the GIL several times behind
         a thread running Python, benchmarks/table_upload_probe.py, and a bucket of fp32 and bf16
         tensors has two plane counts), then one launch per plane count on a view of it."""
-        tables = [(p, *self._table(p, cols, slots.data_ptr())) for p, cols in self.by_planes.items()]
+        tables = [(p, *self._table(p, bucket, mine, addr, slots.data_ptr()))
+                  for p, (mine, addr) in self.by_planes.items()]
         if not tables:
             return
         flat = torch.from_numpy(np.concatenate([t.reshape(-1) for _, t, _ in tables]))
@@ -247,12 +257,13 @@ class _KernelSplit:
             split_rows(flat[at : at + table.size].view(rows, 2 + p), p, longest)
             at += table.size
 
-    def _table(self, p: int, cols: list[tuple[int, int, int, int, int]], base: int) -> tuple[np.ndarray, int]:
-        """The kernel's table for the segments of ``p`` planes (one row per block) and the largest
-        element count of a row."""
+    def _table(self, p: int, bucket: Bucket, mine: np.ndarray, addr: np.ndarray, base: int) -> tuple[np.ndarray, int]:
+        """The kernel's table for segments ``mine`` of ``p`` planes (one row per block), whose
+        tensors start at ``addr``, and the largest element count of a row."""
         c = self.c
-        addr, m, first_block, n_blocks, first_slot = np.asarray(cols, dtype=np.int64).T
-        seg_of = np.repeat(np.arange(len(cols)), n_blocks)
+        m = bucket.cols.elements[bucket.job[mine]]
+        first_block, n_blocks, first_slot = bucket.first_block[mine], bucket.n_blocks[mine], bucket.first_slot[mine]
+        seg_of = np.repeat(np.arange(len(mine)), n_blocks)
         b = np.arange(len(seg_of), dtype=np.int64) - np.repeat(np.cumsum(n_blocks) - n_blocks, n_blocks)
         block = first_block[seg_of] + b
         counts = np.minimum(c, m[seg_of] - block * c)
@@ -385,21 +396,6 @@ class GpuJob:
 
 
 @dataclass
-class _Segment:
-    job: int
-    first_block: int
-    n_blocks: int
-    first_slot: int
-
-
-@dataclass
-class _Bucket:
-    segments: list[_Segment] = field(default_factory=list)
-    slots: int = 0
-    cost: int = 0
-
-
-@dataclass
 class _Group:
     """One codec's share of a bucket: its slots and its output region of the arena."""
 
@@ -411,7 +407,7 @@ class _Group:
 
 @dataclass
 class _Launched:
-    bucket: _Bucket
+    bucket: Bucket
     stream: torch.cuda.Stream
     arena: torch.Tensor  # the bucket's slots, then each group's output slots
     raw_sizes: np.ndarray  # uncompressed bytes per slot
@@ -491,7 +487,7 @@ class _Stopped(Exception):
     """The consumer of :meth:`GpuEncoder.encode` went away: the producer stops."""
 
 
-def _runnable(job: GpuJob, seg: _Segment, chunk_bytes: int) -> bool:
+def _runnable(job: GpuJob, seg: Segment, chunk_bytes: int) -> bool:
     """Whether ``seg`` holds all of ``job`` in whole blocks and the job has a base or bytes to
     keep (:func:`split_run`)."""
     if job.delta is None and job.keep is None:  # first: the test that decides for most jobs
@@ -553,84 +549,45 @@ class GpuEncoder:
         scratch = fit_scratch(jobs, self.bound, self.codecs, self.max_slots_for(depth))
         return max(scratch // 2, 64 * self.chunk_bytes)
 
-    def _plan(self, jobs: list[GpuJob], depth: int = 2) -> list[_Bucket]:
+    def _plan(self, jobs: list[GpuJob], depth: int = 2) -> list[Bucket]:
         """Pack block ranges of the jobs, in order, into buckets under the budget (and under the
-        pinned budget's share of each of ``depth`` buckets held at once)."""
-        max_slots = self.max_slots_for(depth)
-        bucket_budget = self._bucket_budget(jobs, depth)
-        buckets = [_Bucket()]
-        costs: dict[tuple[Layout, bool], int] = {}  # a job's block cost, by what it depends on
-        for j, job in enumerate(jobs):
-            blocks = -(-job.elements // self.chunk_bytes)
-            cost_key = (job.layout, job.delta is None)
-            per_block = costs.get(cost_key)
-            if per_block is None:
-                per_block = costs[cost_key] = self._block_cost(job)
-            cur = buckets[-1]
-            if blocks == 0:
-                cur.segments.append(_Segment(j, 0, 0, cur.slots))
-                continue
-            slots = blocks * job.n_planes
-            if cur.cost + blocks * per_block <= bucket_budget and cur.slots + slots <= max_slots:
-                # the common case for small tensors: the whole item fits in the current bucket
-                cur.segments.append(_Segment(j, 0, blocks, cur.slots))
-                cur.slots += slots
-                cur.cost += blocks * per_block
-                continue
-            b = 0
-            while b < blocks:
-                cur = buckets[-1]
-                room = min((bucket_budget - cur.cost) // per_block, (max_slots - cur.slots) // job.n_planes)
-                fits_empty = min(bucket_budget // per_block, max_slots // job.n_planes)
-                if cur.segments and (room <= 0 or (b == 0 and room < blocks <= fits_empty)):
-                    # a new bucket, also for an item that would fit whole in one but not in this
-                    # one's rest: its chunks then stay in one host buffer (no copy of a partial item)
-                    buckets.append(_Bucket())
-                    continue
-                take = min(blocks - b, max(room, 1))
-                cur.segments.append(_Segment(j, b, take, cur.slots))
-                cur.slots += take * job.n_planes
-                cur.cost += take * per_block
-                b += take
-        return [b for b in buckets if b.segments]
+        pinned budget's share of each of ``depth`` buckets held at once): :func:`~nvdcp.gpu.plan.plan_buckets`."""
+        cols = JobColumns.of(jobs)
+        kind_cost = np.asarray([self._block_cost(jobs[i]) for i in cols.kind_jobs], dtype=np.int64)
+        return plan_buckets(cols, kind_cost, self.chunk_bytes, self._bucket_budget(jobs, depth), self.max_slots_for(depth))
 
     # -- device work ---------------------------------------------------------------------------
-    def _slot_table(self, jobs: list[GpuJob], bucket: _Bucket) -> tuple[np.ndarray, np.ndarray, list[tuple[str, str | None]]]:
-        """Per slot: uncompressed bytes and codec group (-1: stored raw); and the group keys
-        (numbered in order of first use). Per segment only a few attribute reads and a lookup of
-        its layout's row of plane keys; the slots are filled by numpy (a bucket of small tensors
-        has hundreds of segments, a GB of large ones ~16k slots)."""
+    def _slot_table(self, jobs: list[GpuJob], bucket: Bucket) -> tuple[np.ndarray, np.ndarray, list[tuple[str, str | None]]]:
+        """Per slot: uncompressed bytes and codec group (-1: stored raw); and the group keys,
+        numbered in order of first use by the bucket's segments (an empty job's too). All numpy
+        over the bucket's columns: a bucket of small tensors has a thousand segments."""
         c = self.chunk_bytes
-        keys: dict[tuple[str, str | None], int] = {}
-        row_of: dict[tuple[tuple[str, ...], torch.dtype], int] = {}
-        key_rows: list[list[int]] = []
-        cols: list[tuple[int, int, int, int, int, int]] = []  # first slot, blocks, first block, planes, elements, row
-        for seg in bucket.segments:
-            job = jobs[seg.job]
-            codecs = job.layout.plane_codecs
-            row = row_of.get((codecs, job.dtype))
-            if row is None:
-                row = row_of[(codecs, job.dtype)] = len(key_rows)
-                key_rows.append([-1 if name == "none" else keys.setdefault((name, typed_data_type(name, job.dtype)), len(keys))
-                                 for name in codecs])
-            cols.append((seg.first_slot, seg.n_blocks, seg.first_block, len(codecs), job.elements, row))
+        cols = bucket.cols
         raw_sizes = np.empty(bucket.slots, dtype=np.int64)
         slot_key = np.full(bucket.slots, -1, dtype=np.int32)
-        if cols:
-            first, blocks, first_block, planes, elements, rows = np.asarray(cols, dtype=np.int64).T
-            counts = blocks * planes
-            seg_of = np.repeat(np.arange(len(cols)), counts)
-            at = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-            slot = first[seg_of] + at
-            block, plane = first_block[seg_of] + at // planes[seg_of], at % planes[seg_of]
-            raw_sizes[slot] = np.minimum(c, elements[seg_of] - block * c)  # the item's last block may be short
-            table = np.full((len(key_rows), max(map(len, key_rows))), -1, dtype=np.int32)
-            for r, key_row in enumerate(key_rows):
-                table[r, : len(key_row)] = key_row
-            slot_key[slot] = table[rows[seg_of], plane]
-        return raw_sizes, slot_key, sorted(keys, key=lambda k: keys[k])
+        if not len(bucket):
+            return raw_sizes, slot_key, []
+        counts = bucket.slot_counts
+        seg_of = np.repeat(np.arange(len(counts)), counts)
+        at = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+        planes = bucket.planes[seg_of]
+        slot = bucket.first_slot[seg_of] + at
+        block = bucket.first_block[seg_of] + at // planes
+        raw_sizes[slot] = np.minimum(c, cols.elements[bucket.job][seg_of] - block * c)  # a short last block
+        # the save's codec keys, renumbered in the order the bucket's kinds first use them
+        seg_kind = cols.kind[bucket.job]
+        kinds, first = np.unique(seg_kind, return_index=True)
+        local: dict[int, int] = {}
+        for k in kinds[np.argsort(first)].tolist():
+            for key in cols.codec_keys[k].tolist():
+                if key >= 0:
+                    local.setdefault(key, len(local))
+        renumber = np.full(len(cols.keys) + 1, -1, dtype=np.int32)  # the last entry: raw planes (-1)
+        renumber[list(local)] = list(local.values())
+        slot_key[slot] = renumber[cols.codec_keys[seg_kind[seg_of], at % planes]]
+        return raw_sizes, slot_key, [cols.keys[key] for key in local]
 
-    def _split_planes(self, jobs: list[GpuJob], bucket: _Bucket, slots: torch.Tensor) -> None:
+    def _split_planes(self, jobs: list[GpuJob], bucket: Bucket, slots: torch.Tensor) -> None:
         """Copy each segment's blocks into its slots, one plane per slot (reads the tensors).
 
         Where the plane kernel runs, segments of tensors up to ``KERNEL_SPLIT_MAX_BYTES`` with
@@ -648,12 +605,15 @@ class GpuEncoder:
         kernel = _KernelSplit(c) if _kernel_splits(slots) else None
         for run in self._runs(jobs, bucket):
             split_run(run, slots, c, self.keep_stream)
-        for seg in bucket.segments:
+        rest = np.arange(len(bucket))
+        if kernel is not None:  # (a job with a base or a keep never is the kernel's)
+            takes = kernel.takes(bucket)
+            kernel.add(jobs, bucket, np.flatnonzero(takes))
+            rest = np.flatnonzero(~takes)
+        for s in rest.tolist():
+            seg = bucket.segment(s)
             job = jobs[seg.job]
             p, m = job.n_planes, job.elements
-            if kernel is not None and kernel.takes(job):  # (a job with a base or a keep never is)
-                kernel.add(job, seg)
-                continue
             if _runnable(job, seg, c):
                 continue  # written by its run
             whole = seg.first_block == 0 and seg.n_blocks * c >= m  # the segment holds all of it
@@ -689,9 +649,9 @@ class GpuEncoder:
         for (p, m, blocks), (sources, first_slots) in small.items():
             split_small_tensors(sources, first_slots, p, m, slots, blocks)
         if kernel is not None:
-            kernel.run(slots)
+            kernel.run(bucket, slots)
 
-    def _runs(self, jobs: list[GpuJob], bucket: _Bucket) -> Iterator[list[tuple[GpuJob, int]]]:
+    def _runs(self, jobs: list[GpuJob], bucket: Bucket) -> Iterator[list[tuple[GpuJob, int]]]:
         """The bucket's runs for :func:`split_run`: its runnable jobs (:func:`_runnable`) grouped
         by dtype, transform and whether they have a base, each with its first slot, in bucket
         order. The concatenation is a temporary: runs with a base hold at most
@@ -700,7 +660,8 @@ class GpuEncoder:
         c = self.chunk_bytes
         runs: dict[tuple[torch.dtype, int, bool], list[tuple[GpuJob, int]]] = {}
         sizes: dict[tuple[torch.dtype, int, bool], int] = {}
-        for seg in bucket.segments:
+        for s in np.flatnonzero(~bucket.cols.plain[bucket.job]).tolist():  # the others never run
+            seg = bucket.segment(s)
             job = jobs[seg.job]
             if not _runnable(job, seg, c):
                 continue
@@ -716,7 +677,7 @@ class GpuEncoder:
             sizes[key] += job.nbytes
         yield from (run for run in runs.values() if run)
 
-    def _launch(self, jobs: list[GpuJob], bucket: _Bucket, parity: int) -> _Launched:
+    def _launch(self, jobs: list[GpuJob], bucket: Bucket, parity: int) -> _Launched:
         stream = self.streams[parity]
         c, g = self.chunk_bytes, self.granule
         raw_sizes, slot_key, keys = self._slot_table(jobs, bucket)
@@ -834,18 +795,19 @@ class GpuEncoder:
         one :class:`RecordBatch` (when they lie in one host buffer), the others after them."""
         c = self.chunk_bytes
         crcs = hb.checksums()
-        whole_segments: list[_Segment] = []
-        plain_segments: list[_Segment] = []  # with ``batches``: whole, and no base
+        bucket = hb.bucket
+        whole = bucket.whole(c)
+        # with ``batches``: whole, and no base (the common case: no Python per segment)
+        batched = whole & ~bucket.cols.has_base[bucket.job] if batches else np.zeros(len(bucket), dtype=bool)
+        whole_segments: list[int] = []
         done: list[tuple[GpuJob, EncodedItem] | None] = []  # None: the next of the whole records
-        for seg in hb.bucket.segments:
-            job = jobs[seg.job]
-            if seg.first_block == 0 and seg.n_blocks * c >= job.elements:
-                if batches and job.delta is None:
-                    plain_segments.append(seg)
-                    continue
-                whole_segments.append(seg)
+        for s in np.flatnonzero(~batched).tolist():
+            if whole[s]:
+                whole_segments.append(s)
                 done.append(None)
                 continue
+            seg = bucket.segment(s)
+            job = jobs[seg.job]
             lo = seg.first_slot
             hi = lo + seg.n_blocks * job.n_planes
             # Spans buckets; with copy_partial its bytes must outlive this bucket's buffer.
@@ -857,24 +819,24 @@ class GpuEncoder:
                 continue
             spans, parts = partial.pop(seg.job)
             done.append((job, self._item(job, spans, np.concatenate(parts))))
-        yield from self._whole_records(jobs, hb, plain_segments, crcs, batch=True)
-        whole = iter(self._whole_records(jobs, hb, whole_segments, crcs))
+        yield from self._whole_records(jobs, hb, np.flatnonzero(batched), crcs, batch=True)
+        records = iter(self._whole_records(jobs, hb, np.asarray(whole_segments, dtype=np.int64), crcs))
         for record in done:
-            yield record if record is not None else next(whole)  # type: ignore[misc]
+            yield record if record is not None else next(records)  # type: ignore[misc]
 
-    def _whole_records(self, jobs: list[GpuJob], hb: HostBucket, segments: list[_Segment], crcs: np.ndarray,
+    def _whole_records(self, jobs: list[GpuJob], hb: HostBucket, segments: np.ndarray, crcs: np.ndarray,
                        batch: bool = False) -> list[tuple[GpuJob, EncodedItem]] | list[RecordBatch]:
-        """Records of jobs each held whole by one of ``segments``: headers packed and
-        checksummed together (:mod:`nvdcp.format.header_batch`), each record's chunks spans of
-        the host buffer run holding its slots, made from the bucket's arrays. ``batch``: as one
-        :class:`RecordBatch` when every record lies in one host buffer run."""
-        if not segments:
+        """Records of jobs each held whole by one of ``segments`` (indices into the bucket's):
+        headers packed and checksummed together (:mod:`nvdcp.format.header_batch`), each
+        record's chunks spans of the host buffer run holding its slots, made from the bucket's
+        arrays. ``batch``: as one :class:`RecordBatch` when every record lies in one host buffer run."""
+        if not len(segments):
             return []
         c = self.chunk_bytes
-        owners = [jobs[seg.job] for seg in segments]
-        lo = np.fromiter((seg.first_slot for seg in segments), dtype=np.int64, count=len(segments))
-        n = np.fromiter((seg.n_blocks * job.n_planes for seg, job in zip(segments, owners)), dtype=np.int64,
-                        count=len(segments))
+        bucket = hb.bucket
+        owners = [jobs[j] for j in bucket.job[segments].tolist()]
+        lo = bucket.first_slot[segments]
+        n = bucket.slot_counts[segments]
         first_chunk = np.zeros(len(segments) + 1, dtype=np.int64)
         np.cumsum(n, out=first_chunk[1:])
         slots = np.repeat(lo - first_chunk[:-1], n) + np.arange(int(first_chunk[-1]), dtype=np.int64)
@@ -1027,10 +989,9 @@ def _fields(job: GpuJob, chunk_bytes: int) -> HeaderFields:
     )
 
 
-def _slot_owner(jobs: list[GpuJob], bucket: _Bucket, slot: int) -> str:
+def _slot_owner(jobs: list[GpuJob], bucket: Bucket, slot: int) -> str:
     """The item and chunk a slot of ``bucket`` holds, for error messages."""
-    firsts = [seg.first_slot for seg in bucket.segments]
-    seg = bucket.segments[max(0, bisect.bisect_right(firsts, slot) - 1)]
+    seg = bucket.segment(bucket.segment_of_slot(slot))
     job = jobs[seg.job]
     return f"{job.key}: chunk {seg.first_block * job.n_planes + slot - seg.first_slot}"
 

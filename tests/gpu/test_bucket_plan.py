@@ -64,3 +64,45 @@ def test_the_plan_places_every_block_once_in_order_within_the_bounds(seed: int, 
         fits_empty = min(budget // encoder._block_cost(job), max_slots // job.n_planes)
         if 0 < blocks <= fits_empty:
             assert sum(1 for k, _, _ in placed if k == j) == 1, f"job {j} fits a bucket but was cut"
+
+
+def _reference_plan(encoder: GpuEncoder, jobs: list[GpuJob]) -> list[list[tuple[int, int, int, int]]]:
+    """The greedy rule one job (and, for a job cut over buckets, one block range) at a time:
+    what the columnar planner must reproduce, segment for segment."""
+    max_slots, budget = encoder.max_slots_for(2), encoder._bucket_budget(jobs, 2)
+    buckets: list[list[tuple[int, int, int, int]]] = [[]]
+    slots = cost = 0
+    for j, job in enumerate(jobs):
+        blocks, p, per_block = -(-job.elements // C), job.n_planes, encoder._block_cost(job)
+        if blocks == 0:
+            buckets[-1].append((j, 0, 0, slots))
+            continue
+        if cost + blocks * per_block <= budget and slots + blocks * p <= max_slots:
+            buckets[-1].append((j, 0, blocks, slots))
+            slots, cost = slots + blocks * p, cost + blocks * per_block
+            continue
+        b = 0
+        fits_empty = min(budget // per_block, max_slots // p)
+        while b < blocks:
+            room = min((budget - cost) // per_block, (max_slots - slots) // p)
+            if buckets[-1] and (room <= 0 or (b == 0 and room < blocks <= fits_empty)):
+                buckets.append([])
+                slots = cost = 0
+                continue
+            take = min(blocks - b, max(room, 1))
+            buckets[-1].append((j, b, take, slots))
+            slots, cost, b = slots + take * p, cost + take * per_block, b + take
+    return [b for b in buckets if b]
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("budget_chunks", [3, 64, 300, 5000])
+def test_the_columnar_plan_is_the_greedy_rule_segment_for_segment(seed: int, budget_chunks: int) -> None:
+    """plan_buckets places runs of jobs by binary search: the same buckets and segments as
+    placing one job at a time, also with empty jobs after a bucket over its bounds (a budget
+    below one block of a four-plane job) and jobs cut over many buckets."""
+    encoder = _encoder(budget_chunks * C, 512 * C)
+    jobs = _jobs(seed, 400)
+    got = [[tuple(seg) for seg in bucket.segments] for bucket in encoder._plan(jobs)]
+    assert got == _reference_plan(encoder, jobs)
+    assert len(got) > 1

@@ -13,6 +13,7 @@ import torch
 from nvdcp.dcp.stager import HostBuffers
 from nvdcp.gpu import encoder as encoder_module
 from nvdcp.gpu.encoder import HostBucket, compaction_plan, granule_for, pack_chunks
+from nvdcp.gpu.plan import Bucket, JobColumns
 from nvdcp.transform import delta as delta_transform
 
 MiB = 1 << 20
@@ -266,7 +267,8 @@ def _delta_bucket(seed: int, c: int) -> tuple[list[Any], Any, list[torch.Tensor]
     in one host arena, one in another arena, bases kept nowhere, keep-only jobs between them, a
     job with a tail, a delta kept elsewhere than its base, a job split over two segments, other
     dtypes, plain jobs."""
-    from nvdcp.gpu.encoder import GpuJob, _Bucket, _Segment
+    from nvdcp.gpu.encoder import GpuJob
+    from nvdcp.gpu.plan import Bucket, JobColumns
     from nvdcp.pipeline.delta import DeltaInput
     from nvdcp.pipeline.policy import choose_delta_layout, choose_layout
 
@@ -310,13 +312,14 @@ def _delta_bucket(seed: int, c: int) -> tuple[list[Any], Any, list[torch.Tensor]
         job(torch.float32, 2 * c, "plain"), job(torch.int64, c, "plain"),
         job(torch.float32, 4 * c, "delta-kept"),  # split over two segments: per segment
     ]
-    bucket = _Bucket()
+    segments, slots = [], 0
     for j, jb in enumerate(jobs):
         blocks = -(-jb.elements // c)
         parts = [(0, blocks)] if j != len(jobs) - 1 else [(0, 2), (2, 2)]
         for first, n in parts:
-            bucket.segments.append(_Segment(j, first, n, bucket.slots))
-            bucket.slots += n * jb.n_planes
+            segments.append((j, first, n, slots))
+            slots += n * jb.n_planes
+    bucket = Bucket.of(JobColumns.of(jobs), segments, slots)
     bases = [j.delta.base.clone() if j.delta is not None else None for j in jobs]
     return jobs, bucket, bases
 
@@ -367,7 +370,7 @@ def _bucket_of(jobs: list[Any], pieces: list[tuple[int, int, int]], chunk: int, 
     ``run_bounds``."""
     segments, slot = [], 0
     for job, first, blocks in pieces:
-        segments.append(encoder_module._Segment(job, first, blocks, slot))
+        segments.append((job, first, blocks, slot))
         slot += blocks * jobs[job].n_planes
     stored = rng.integers(0, chunk + 1, slot).astype(np.int64)
     granule = 256  # chunks start at granule boundaries, as after compaction: padding between them
@@ -376,7 +379,8 @@ def _bucket_of(jobs: list[Any], pieces: list[tuple[int, int, int]], chunk: int, 
     bounds = [0, *run_bounds, slot]
     runs = [(packed[int(offsets[a]) : int(offsets[b])].clone(), a, b) for a, b in zip(bounds, bounds[1:])]
     crcs = torch.from_numpy(rng.integers(-(2**31), 2**31, slot).astype(np.int32))
-    return HostBucket(encoder_module._Bucket(segments, slot), stored, offsets, runs, None, crcs)  # type: ignore[arg-type]
+    bucket = Bucket.of(JobColumns.of(jobs), segments, slot)
+    return HostBucket(bucket, stored, offsets, runs, None, crcs)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("run_bounds", [[], [3], [1, 9, 10]])
@@ -467,8 +471,9 @@ def test_slot_table_matches_the_per_segment_rule(seed: int) -> None:
     or the short last block of an item) and codec group, and the groups numbered in order of
     first use, are those of the per-segment rule, for segments of mixed layouts and dtypes, items
     cut over buckets, single short blocks and empty items."""
-    from nvdcp.gpu.encoder import GpuEncoder, GpuJob, _Bucket, _Segment
+    from nvdcp.gpu.encoder import GpuEncoder, GpuJob
     from nvdcp.gpu.nvcomp_codecs import typed_data_type
+    from nvdcp.gpu.plan import Bucket, JobColumns, Segment
     from nvdcp.pipeline.policy import Layout
 
     rng = np.random.default_rng(seed)
@@ -486,9 +491,9 @@ def test_slot_table_matches_the_per_segment_rule(seed: int) -> None:
         blocks = -(-elements // chunk)
         first_block = int(rng.integers(0, blocks)) if blocks and rng.random() < 0.3 else 0  # a later part of a cut item
         n_blocks = blocks - first_block if blocks else 0
-        segments.append(_Segment(j, first_block, n_blocks, slot))
+        segments.append(Segment(j, first_block, n_blocks, slot))
         slot += n_blocks * len(layout.plane_codecs)
-    bucket = _Bucket(segments, slot)
+    bucket = Bucket.of(JobColumns.of(jobs), segments, slot)
     raw_sizes, slot_key, keys = encoder._slot_table(jobs, bucket)
 
     want_raw = np.empty(slot, dtype=np.int64)
@@ -543,7 +548,7 @@ def test_a_failed_slot_is_named_by_its_item_and_chunk() -> None:
     layout = Layout(TRANSFORM_BYTEPLANES, ("gdeflate", "gdeflate"))
     jobs = [encoder_module.GpuJob(key, torch.zeros(4096, dtype=torch.bfloat16), layout, torch.bfloat16, 0, (4096,))
             for key in ("model.a", "model.b")]
-    bucket = encoder_module._Bucket([encoder_module._Segment(0, 0, 2, 0), encoder_module._Segment(1, 3, 1, 4)], 6)
+    bucket = Bucket.of(JobColumns.of(jobs), [(0, 0, 2, 0), (1, 3, 1, 4)], 6)
     owner = encoder_module._slot_owner
     assert owner(jobs, bucket, 0) == "model.a: chunk 0"
     assert owner(jobs, bucket, 3) == "model.a: chunk 3"

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from nvdcp.gpu import encoder as encoder_module
-from nvdcp.gpu.encoder import GpuEncoder, GpuJob, _Bucket, _Segment
+from nvdcp.gpu.encoder import GpuEncoder, GpuJob
+from nvdcp.gpu.plan import Bucket, JobColumns
 from nvdcp.pipeline.policy import choose_layout
 from tests.gpu.interpreted import run_interpreted
 
@@ -28,7 +29,7 @@ def _tensor(rng: np.random.Generator, dtype: torch.dtype, elements: int, device:
     return t.view(-1, 8) if elements % 8 == 0 else t
 
 
-def _bucket(seed: int, c: int, device: torch.device) -> tuple[list[GpuJob], _Bucket]:
+def _bucket(seed: int, c: int, device: torch.device) -> tuple[list[GpuJob], Bucket]:
     rng = np.random.default_rng(seed)
     shapes = [
         (torch.float32, 7), (torch.float32, c), (torch.float32, 3 * c + 5), (torch.bfloat16, 1),
@@ -40,15 +41,15 @@ def _bucket(seed: int, c: int, device: torch.device) -> tuple[list[GpuJob], _Buc
     for i, (dtype, elements) in enumerate(shapes):
         data = _tensor(rng, dtype, elements, device, typed=i % 2 == 0)
         jobs.append(GpuJob(str(dtype), data, choose_layout(dtype, "zstd"), dtype, 0, (elements,)))
-    bucket = _Bucket()
+    segments, slots = [], 0
     for j, job in enumerate(jobs):
         blocks = -(-job.elements // c)
         parts = [(0, blocks)] if j != len(jobs) - 1 else [(0, 2), (2, 2)]
         for first, n in parts:
-            bucket.slots += 1  # an untouched row between segments
-            bucket.segments.append(_Segment(j, first, n, bucket.slots))
-            bucket.slots += n * job.n_planes
-    return jobs, bucket
+            slots += 1  # an untouched row between segments
+            segments.append((j, first, n, slots))
+            slots += n * job.n_planes
+    return jobs, Bucket.of(JobColumns.of(jobs), segments, slots)
 
 
 def check_split(device: torch.device, seed: int, c: int) -> None:
