@@ -49,6 +49,46 @@ def check_name(name: str, root: str) -> str:
     return name
 
 
+class OpenRoom:
+    """Room a write stream left (:meth:`WriteStream.skip`) and not yet filled in: byte ranges
+    of the object, each filled by one or more :meth:`WriteStream.write_at` calls inside it."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self._ranges: dict[int, int] = {}  # start -> end
+
+    def __bool__(self) -> bool:
+        return bool(self._ranges)
+
+    def leave(self, offset: int, nbytes: int) -> None:
+        if nbytes > 0:
+            self._ranges[offset] = offset + nbytes
+
+    def fill(self, offset: int, nbytes: int) -> None:
+        """Mark ``offset .. offset + nbytes - 1`` filled; it must lie inside one open range."""
+        end = offset + nbytes
+        start = next((a for a, b in self._ranges.items() if a <= offset and end <= b), None)
+        if start is None:
+            raise ValueError(f"{self.where}: write_at({offset}, {nbytes} bytes) is not inside room left by skip()")
+        stop = self._ranges.pop(start)
+        for a, b in ((start, offset), (end, stop)):  # what is left of the range on either side
+            if b > a:
+                self._ranges[a] = b
+
+    def overlaps(self, lo: int, hi: int) -> bool:
+        """Whether open room lies in bytes ``lo .. hi - 1``."""
+        return any(a < hi and lo < b for a, b in self._ranges.items())
+
+    def check_closed(self) -> None:
+        """Raise if room is still open (before a commit: its bytes would be zeros)."""
+        if self._ranges:
+            open_bytes = sum(b - a for a, b in self._ranges.items())
+            raise ValueError(f"{self.where}: {open_bytes} bytes of room left by skip() were never filled in")
+
+    def clear(self) -> None:
+        self._ranges.clear()
+
+
 class WriteStream(ABC):
     """An object being written. Nothing is visible as complete until :meth:`commit` returns."""
 

@@ -21,7 +21,7 @@ from nvdcp.errors import (
     StorageError,
     TruncatedCheckpointError,
 )
-from nvdcp.storage.base import Buffer, Storage, WriteStream, check_name, read_buffer
+from nvdcp.storage.base import Buffer, OpenRoom, Storage, WriteStream, check_name, read_buffer
 from nvdcp.storage.spans import ChunkSpans, Gather
 
 
@@ -296,6 +296,7 @@ class _LocalWriteStream(WriteStream):
             raise _storage_error(exc, f"cannot create {path}", path) from exc
         self._pos = 0
         self._written_back = 0  # bytes whose writeback was started (WRITEBACK_BYTES)
+        self._room = OpenRoom(path)
 
     def _start_writeback(self) -> None:
         """Start the writeback of what was written since the last call, once it is
@@ -367,19 +368,20 @@ class _LocalWriteStream(WriteStream):
 
     def skip(self, nbytes: int) -> int:
         at = self._pos
+        self._room.leave(at, nbytes)
         self._pos += nbytes
         return at
 
     def write_at(self, offset: int, data: Buffer) -> None:
         view = memoryview(data).cast("B")
-        if offset < 0 or offset + len(view) > self._pos:
-            raise ValueError(f"{self.path}: write_at({offset}, {len(view)} bytes) outside the {self._pos} bytes so far")
+        self._room.fill(offset, len(view))
         try:
             _pwritev_all(self._file.fileno(), offset, [view])
         except OSError as exc:
             raise _storage_error(exc, f"writing {self.path}", self.path) from exc
 
     def commit(self) -> None:
+        self._room.check_closed()
         try:
             if self.sync:
                 os.fsync(self._file.fileno())

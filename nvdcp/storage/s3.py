@@ -62,7 +62,7 @@ from nvdcp.errors import (
     StorageUnavailableError,
     TruncatedCheckpointError,
 )
-from nvdcp.storage.base import Buffer, Storage, WriteStream, check_name, read_buffer
+from nvdcp.storage.base import Buffer, OpenRoom, Storage, WriteStream, check_name, read_buffer
 from nvdcp.storage.prefetch import Prefetcher
 from nvdcp.storage.readahead import BlockCache
 from nvdcp.storage.s3_config import S3_MAX_DELETE_KEYS, S3_MAX_PART_SIZE, S3_MAX_PARTS, S3Config
@@ -723,7 +723,14 @@ def _check_content_range(content_range: str | None, offset: int, where: str) -> 
 
 
 class _S3WriteStream(WriteStream):
-    """Streams one object: a PutObject if it fits in one part, else a concurrent multipart upload."""
+    """Streams one object: a PutObject if it fits in one part, else a concurrent multipart upload.
+
+    Room left by :meth:`skip` (a streamed record's header, written once its chunks are) is
+    filled in by :meth:`write_at`: a part holding unfilled room is kept back, not sent, until
+    its room is filled (parts may go up in any order; their numbers give the object's order),
+    so an upload holds at most the parts under its open room besides those in flight."""
+
+    fills_in = True
 
     def __init__(self, storage: S3Storage, key: str, where: str) -> None:
         self._s = storage
@@ -732,10 +739,15 @@ class _S3WriteStream(WriteStream):
         self._cfg = storage.config
         # Grown as data arrives (not preallocated), so a small object costs only its own size.
         self._buf = bytearray()
+        self._buf_start = 0  # the object offset of ``_buf[0]``
         self._part_size = self._cfg.part_size
         self._pos = 0
         self._upload_id: str | None = None
-        self._parts: list[cf.Future[dict[str, Any]]] = []
+        self._next_part = 1
+        self._parts: dict[int, cf.Future[dict[str, Any]]] = {}  # by part number
+        #: parts kept back until their room is filled in: number -> (object offset, bytes)
+        self._held: dict[int, tuple[int, bytearray]] = {}
+        self._room = OpenRoom(where)
         self._slots = threading.BoundedSemaphore(self._cfg.max_inflight_parts)
         self._failure: BaseException | None = None  # the first failed part's error
         self._state = "open"
@@ -756,8 +768,32 @@ class _S3WriteStream(WriteStream):
     def tell(self) -> int:
         return self._pos
 
+    def skip(self, nbytes: int) -> int:
+        self._check_open()
+        at = self._pos
+        self._room.leave(at, nbytes)
+        if nbytes > 0:
+            self.write(bytes(nbytes))  # zeros until filled in; a part reaching past them is held
+        return at
+
+    def write_at(self, offset: int, data: Buffer) -> None:
+        self._check_open()
+        view = memoryview(data).cast("B")
+        self._room.fill(offset, len(view))  # only room: an upload cannot change bytes already sent
+        end = offset + len(view)
+        for at, part in [*self._held.values(), (self._buf_start, self._buf)]:
+            a, b = max(offset, at), min(end, at + len(part))
+            if a < b:
+                part[a - at : b - at] = view[a - offset : b - offset]
+        for number in sorted(self._held):
+            at, part = self._held[number]
+            if not self._room.overlaps(at, at + len(part)):
+                del self._held[number]
+                self._submit(number, part)
+
     def commit(self) -> None:
         self._check_open()
+        self._room.check_closed()
         try:
             if self._upload_id is None:
                 self._s.put(self._key, self._where, self._take_buffer())
@@ -776,6 +812,8 @@ class _S3WriteStream(WriteStream):
             return
         self._state = "aborted"
         self._buf = bytearray()
+        self._held.clear()
+        self._room.clear()
         self._drain()
         if self._upload_id is not None:
             upload_id, self._upload_id = self._upload_id, None
@@ -812,24 +850,34 @@ class _S3WriteStream(WriteStream):
     def _flush_part(self) -> None:
         if self._upload_id is None:
             self._start_upload()
-        number = len(self._parts) + 1
+        number = self._next_part
         if number > S3_MAX_PARTS:
             raise StorageError(
                 errno.EFBIG, f"{self._where}: object exceeds {S3_MAX_PARTS} parts; raise S3Config.part_size "
                 f"or lower part_growth_every (this config reaches {self._cfg.max_object_size} bytes)"
             )
         self._raise_failed()
+        at = self._buf_start
+        part = self._take_buffer()
+        self._buf_start += len(part)
+        self._next_part = number + 1
+        self._part_size = self._cfg.part_size_for(number + 1)
+        if self._room.overlaps(at, at + len(part)):
+            self._held[number] = (at, part)  # sent once its room is filled in
+        else:
+            self._submit(number, part)
+
+    def _submit(self, number: int, part: bytearray) -> None:
+        """Send part ``number`` once fewer than ``max_inflight_parts`` are in flight."""
         self._slots.acquire()  # back-pressure: wait while max_inflight_parts are pending
         try:
             self._raise_failed()
-            part = self._take_buffer()
             fut = self._s.pool.submit(self._upload_part, number, part)
         except BaseException:
             self._slots.release()
             raise
         fut.add_done_callback(self._part_done)
-        self._parts.append(fut)
-        self._part_size = self._cfg.part_size_for(number + 1)
+        self._parts[number] = fut
 
     def _part_done(self, fut: cf.Future[dict[str, Any]]) -> None:
         if not fut.cancelled() and fut.exception() is not None and self._failure is None:
@@ -856,7 +904,8 @@ class _S3WriteStream(WriteStream):
         return record
 
     def _complete(self) -> None:
-        parts = [fut.result() for fut in self._parts]  # raises the first part's failure
+        assert not self._held, "a part is still held back for room never filled in"
+        parts = [self._parts[n].result() for n in sorted(self._parts)]  # raises the first part's failure
         upload_id = self._upload_id
 
         def complete() -> None:
@@ -884,9 +933,9 @@ class _S3WriteStream(WriteStream):
         return int(head["ContentLength"]) == self._pos
 
     def _drain(self) -> None:
-        for fut in self._parts:
+        for fut in self._parts.values():
             fut.cancel()
-        cf.wait(self._parts)
+        cf.wait(self._parts.values())
 
     def _abort_quietly(self) -> None:
         """Abort after a failure without hiding that failure behind a second one."""

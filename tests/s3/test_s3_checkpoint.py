@@ -147,6 +147,42 @@ def test_many_parts_checkpoint(s3env: S3Env) -> None:
     assert bit_equal(out["big"], sd["big"])
 
 
+def test_large_tensors_stream_to_s3_with_their_headers_filled_in_last(
+    any_s3env: S3Env, monkeypatch: pytest.MonkeyPatch, tmp_path: Any,
+) -> None:
+    """A large host tensor's record goes up as it compresses, its header into room left at the
+    record's start: the part under that room is kept back until the header is in. The object
+    is byte for byte the data file a local save writes, and loads bit-exact."""
+    from nvdcp.format.header import file_header_size
+    from nvdcp.storage.s3 import _S3WriteStream
+
+    s3env = any_s3env
+    sd = {"big": weights_like((3 << 20,)), "bf16": weights_like((5 << 20,), torch.bfloat16, seed=4),
+          "small": weights_like((100,), seed=5)}
+    held: list[int] = []
+    fill_in = _S3WriteStream.write_at
+
+    def counting(self: _S3WriteStream, offset: int, data: Any) -> None:
+        held.append(len(self._held))  # parts kept back for the room being filled
+        fill_in(self, offset, data)
+
+    monkeypatch.setattr(_S3WriteStream, "write_at", counting)
+    url = s3env.url("streamed/step1")
+    _save(url, _opts(s3env), sd, thread_count=1)
+    assert len(held) == 2 and max(held) >= 1, held  # one header per large tensor, a part kept back
+    assert s3env.uploads() == []
+    out = empty_like_sd(sd)
+    dcp.load(out, storage_reader=nvdcp.NvcompReader(url, storage_options=_opts(s3env)))
+    _assert_same(out, sd)
+    local = tmp_path / "local"
+    dcp.save(sd, storage_writer=nvdcp.NvcompWriter(str(local), thread_count=1, on_identical_save="ignore"))
+    (name,) = [p.name for p in local.iterdir() if p.name.endswith(".nvdcp")]
+    (key,) = [k for k in s3env.keys("streamed/step1/") if k.endswith(".nvdcp")]
+    got, want = s3env.client.get_object(Bucket=s3env.bucket, Key=key)["Body"].read(), (local / name).read_bytes()
+    # the records after each file's header (which names its save and time)
+    assert got[file_header_size(memoryview(got), key):] == want[file_header_size(memoryview(want), name):]
+
+
 # -- several processes ---------------------------------------------------------------------------
 def _full() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(7)

@@ -238,3 +238,42 @@ def test_replaced_object_reads_new_bytes(store: Storage) -> None:
     assert bytes(store.read_range("f", 100, 50)) == DATA[5100:5150]
     store.write_atomic("f", b"z" * 200)
     assert bytes(store.read_range("f", 100, 50)) == b"z" * 50
+
+
+@pytest.mark.parametrize("where", ["first part", "straddling a part boundary", "whole object in one part"])
+def test_room_left_is_filled_in_later(backend: Backend, store: Storage, data: bytes, where: str) -> None:
+    """A streamed record's header is written after its chunks, into room left for it: the
+    object holds the bytes in place, wherever the room falls (an upload keeps back the parts
+    under unfilled room and sends them once it is filled)."""
+    stream = store.create("filled")
+    if not stream.fills_in:
+        stream.abort()
+        pytest.skip(f"{backend.name} writes its bytes in order only")
+    size = 100 if where == "whole object in one part" else len(data)
+    body = data[:size]
+    lo = {"first part": 10, "straddling a part boundary": backend.part - 50, "whole object in one part": 3}[where]
+    hi = lo + (100 if where != "whole object in one part" else 20)
+    stream.write(body[:lo])
+    assert stream.skip(hi - lo) == lo
+    stream.write(body[hi:])
+    with pytest.raises(ValueError, match="filled in|room"):
+        stream.commit()  # room still open
+    stream.write_at(lo + 5, body[lo + 5 : hi])  # the room in two pieces, out of order
+    stream.write_at(lo, body[lo : lo + 5])
+    with pytest.raises(ValueError):
+        stream.write_at(0, body[:4])  # bytes already written, not room
+    stream.commit()
+    assert bytes(store.read("filled")) == body
+
+
+def test_a_failed_upload_with_room_open_leaves_nothing(backend: Backend, store: Storage, data: bytes) -> None:
+    """Aborting while a part is kept back for its room leaves no object."""
+    stream = store.create("open-room")
+    if not stream.fills_in:
+        stream.abort()
+        pytest.skip(f"{backend.name} writes its bytes in order only")
+    stream.write(data[:10])
+    stream.skip(100)
+    stream.write(data[110:])
+    stream.abort()
+    assert not store.exists("open-room")
