@@ -552,9 +552,10 @@ class GpuEncoder:
     def _plan(self, jobs: list[GpuJob], depth: int = 2) -> list[Bucket]:
         """Pack block ranges of the jobs, in order, into buckets under the budget (and under the
         pinned budget's share of each of ``depth`` buckets held at once): :func:`~nvdcp.gpu.plan.plan_buckets`."""
+        budget = self._bucket_budget(jobs, depth)  # first: under a bound it may change layouts
         cols = JobColumns.of(jobs)
         kind_cost = np.asarray([self._block_cost(jobs[i]) for i in cols.kind_jobs], dtype=np.int64)
-        return plan_buckets(cols, kind_cost, self.chunk_bytes, self._bucket_budget(jobs, depth), self.max_slots_for(depth))
+        return plan_buckets(cols, kind_cost, self.chunk_bytes, budget, self.max_slots_for(depth))
 
     # -- device work ---------------------------------------------------------------------------
     def _slot_table(self, jobs: list[GpuJob], bucket: Bucket) -> tuple[np.ndarray, np.ndarray, list[tuple[str, str | None]]]:

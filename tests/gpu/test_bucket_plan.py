@@ -106,3 +106,28 @@ def test_the_columnar_plan_is_the_greedy_rule_segment_for_segment(seed: int, bud
     got = [[tuple(seg) for seg in bucket.segments] for bucket in encoder._plan(jobs)]
     assert got == _reference_plan(encoder, jobs)
     assert len(got) > 1
+
+
+def test_the_plan_reads_layouts_after_the_bound_swapped_zstd_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a tight ``gpu_memory_bytes`` the budget step gives auto-chosen Zstd planes GDeflate
+    (nvdcp.gpu.bound.fit_scratch replaces the jobs' layouts): the plan's columns, and so the
+    slot table's codec groups, must be those of the replaced layouts, which the headers name."""
+    from nvdcp.gpu.bound import without_zstd
+    from nvdcp.pipeline.policy import choose_delta_layout
+
+    encoder = _encoder(300 * C, 1024 * C)
+    jobs = _jobs(0, 60)
+    for job in jobs:
+        job.layout = choose_delta_layout(job.dtype, "auto", "gdeflate")  # a top plane of Zstd
+    budget = encoder._bucket_budget
+
+    def swapping(js: list[GpuJob], depth: int) -> int:
+        for job in js:
+            job.layout = without_zstd(job.layout)
+        return budget(js, depth)
+
+    monkeypatch.setattr(encoder, "_bucket_budget", swapping)
+    buckets = encoder._plan(jobs)
+    for bucket in buckets:
+        _, _, keys = encoder._slot_table(jobs, bucket)
+        assert keys and all(name == "gdeflate" for name, _ in keys), keys
