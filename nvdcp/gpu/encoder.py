@@ -554,8 +554,27 @@ class GpuEncoder:
         pinned budget's share of each of ``depth`` buckets held at once): :func:`~nvdcp.gpu.plan.plan_buckets`."""
         budget = self._bucket_budget(jobs, depth)  # first: under a bound it may change layouts
         cols = JobColumns.of(jobs)
-        kind_cost = np.asarray([self._block_cost(jobs[i]) for i in cols.kind_jobs], dtype=np.int64)
-        return plan_buckets(cols, kind_cost, self.chunk_bytes, budget, self.max_slots_for(depth))
+        job_cost, kind_block_cost = self._job_costs(jobs, cols)
+        return plan_buckets(cols, job_cost, kind_block_cost, self.chunk_bytes, budget, self.max_slots_for(depth))
+
+    def _job_costs(self, jobs: list[GpuJob], cols: JobColumns) -> tuple[np.ndarray, np.ndarray]:
+        """``(whole, per_block)``: each job's cost held whole in one bucket, and a full block's
+        cost for each job kind (:meth:`_block_cost`; a job cut over buckets is counted by it).
+
+        A job's last block is counted by its bytes where they, not the chunk size, set the GPU
+        memory: its packed copy, gather index and a delta's temporaries hold the block's bytes
+        rounded up to the granule; its slot and nvCOMP output slot stay whole chunks. A 1 KiB
+        fp32 tensor then costs 385 KiB of a bucket instead of 648 KiB (64 KiB chunks), so a
+        bucket of small tensors holds up to the pinned budget's slot bound of them."""
+        c, g = self.chunk_bytes, self.granule
+        kind_block_cost = np.asarray([self._block_cost(jobs[i]) for i in cols.kind_jobs], dtype=np.int64)
+        blocks = -(-cols.elements // c)
+        tail = cols.elements - (blocks - 1) * c  # bytes of the last block of each plane (blocks > 0)
+        unused = np.where(blocks > 0, c - -(-tail // g) * g, 0)  # of the last block's chunk, per plane
+        # per unused byte: the packed copy and a delta's base and XOR; per unused granule: 8 index bytes
+        saved = unused * (1 + 2 * cols.has_base) + unused // g * 8
+        whole = blocks * kind_block_cost[cols.kind] - cols.planes * saved
+        return whole, kind_block_cost
 
     # -- device work ---------------------------------------------------------------------------
     def _slot_table(self, jobs: list[GpuJob], bucket: Bucket) -> tuple[np.ndarray, np.ndarray, list[tuple[str, str | None]]]:

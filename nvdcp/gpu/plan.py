@@ -179,10 +179,11 @@ class _Builder:
         self._pieces, self.slots, self.cost = [], 0, 0
 
 
-def plan_buckets(cols: JobColumns, kind_block_cost: np.ndarray, chunk_bytes: int, budget: int,
-                 max_slots: int) -> list[Bucket]:
+def plan_buckets(cols: JobColumns, job_cost: np.ndarray, kind_block_cost: np.ndarray, chunk_bytes: int,
+                 budget: int, max_slots: int) -> list[Bucket]:
     """Pack every job's blocks, in order, into buckets of at most ``max_slots`` slots whose
-    blocks cost at most ``budget`` (``kind_block_cost``: a block's cost for each job kind).
+    blocks cost at most ``budget`` (``job_cost``: each job's cost held whole;
+    ``kind_block_cost``: a block's cost for each job kind, for the parts of a job cut over buckets).
 
     Greedy, job by job: a job that fits whole in the current bucket's rest goes there (found for
     a run of jobs at once by binary search over cumulative costs and slots); one that does not
@@ -195,7 +196,7 @@ def plan_buckets(cols: JobColumns, kind_block_cost: np.ndarray, chunk_bytes: int
     blocks = -(-cols.elements // c)
     per_block = kind_block_cost[cols.kind] if n else np.zeros(0, dtype=np.int64)
     slots = blocks * cols.planes
-    cost = blocks * per_block
+    cost = np.asarray(job_cost, dtype=np.int64)
     cum_slots = np.zeros(n + 1, dtype=np.int64)
     cum_cost = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(slots, out=cum_slots[1:])
@@ -218,15 +219,17 @@ def plan_buckets(cols: JobColumns, kind_block_cost: np.ndarray, chunk_bytes: int
             out.add(np.array([j], dtype=np.int64), zeros[:1], zeros[:1], 0, 0)
             j += 1
             continue
-        _place_cut_job(out, j, int(blocks[j]), int(cols.planes[j]), int(per_block[j]), budget, max_slots)
+        _place_cut_job(out, j, int(blocks[j]), int(cols.planes[j]), int(per_block[j]), int(cost[j]), budget,
+                       max_slots)
         j += 1
     out.close()
     return out.done
 
 
-def _place_cut_job(out: _Builder, j: int, blocks: int, planes: int, per_block: int, budget: int,
+def _place_cut_job(out: _Builder, j: int, blocks: int, planes: int, per_block: int, whole: int, budget: int,
                    max_slots: int) -> None:
-    """Place job ``j``, which does not fit whole in the current bucket's rest, one block range at a time."""
+    """Place job ``j``, which does not fit whole in the current bucket's rest, one block range at
+    a time (each at ``per_block`` a block; ``whole``: its cost if it lands whole in a new bucket)."""
     fits_empty = min(budget // per_block, max_slots // planes)
     b = 0
     while b < blocks:
@@ -236,6 +239,7 @@ def _place_cut_job(out: _Builder, j: int, blocks: int, planes: int, per_block: i
             out.close()
             continue
         take = min(blocks - b, max(room, 1))
+        cost = whole if take == blocks else take * per_block
         out.add(np.array([j], dtype=np.int64), np.array([b], dtype=np.int64), np.array([take], dtype=np.int64),
-                take * planes, take * per_block)
+                take * planes, cost)
         b += take

@@ -39,6 +39,7 @@ def test_the_plan_places_every_block_once_in_order_within_the_bounds(seed: int, 
     jobs = _jobs(seed, 300)
     max_slots, budget = encoder.max_slots_for(2), encoder._bucket_budget(jobs, 2)
     buckets = encoder._plan(jobs)
+    whole_cost = _whole_costs(encoder, jobs)
     placed: list[tuple[int, int, int]] = []
     for bucket in buckets:
         slot = 0
@@ -47,7 +48,8 @@ def test_the_plan_places_every_block_once_in_order_within_the_bounds(seed: int, 
             job = jobs[seg.job]
             assert seg.first_slot == slot  # segments packed back to back
             slot += seg.n_blocks * job.n_planes
-            cost += seg.n_blocks * encoder._block_cost(job)
+            held_whole = seg.first_block == 0 and seg.n_blocks * C >= job.elements
+            cost += whole_cost[seg.job] if held_whole else seg.n_blocks * encoder._block_cost(job)
             placed.append((seg.job, seg.first_block, seg.n_blocks))
         assert slot == bucket.slots and cost == bucket.cost
         assert bucket.slots <= max_slots or len(bucket.segments) == 1
@@ -66,10 +68,46 @@ def test_the_plan_places_every_block_once_in_order_within_the_bounds(seed: int, 
             assert sum(1 for k, _, _ in placed if k == j) == 1, f"job {j} fits a bucket but was cut"
 
 
+def _whole_costs(encoder: GpuEncoder, jobs: list[GpuJob]) -> list[int]:
+    """Each job's cost held whole, one job at a time: its full blocks at the block cost; its
+    last block's packed copy, gather index (and a delta's base and XOR) by that block's bytes
+    rounded up to the granule, its slot and output slot whole chunks."""
+    g = encoder.granule
+    out = []
+    for job in jobs:
+        blocks, p = -(-job.elements // C), job.n_planes
+        if not blocks:
+            out.append(0)
+            continue
+        tail = job.elements - (blocks - 1) * C
+        unused = C - -(-tail // g) * g
+        per_byte = 3 if job.delta is not None else 1
+        out.append(blocks * encoder._block_cost(job) - p * (unused * per_byte + unused // g * 8))
+    return out
+
+
+def test_a_small_tensor_costs_its_bytes_not_whole_chunks_where_they_are_its_bytes() -> None:
+    """A 1 KiB fp32 tensor (64 KiB chunks, GPU auto layout): four whole slots and one nvCOMP
+    output slot of two chunks, but a packed copy and gather index of its 1 KiB: 385 KiB of a
+    bucket, not the 648 KiB of a full block; a full block still costs a full block."""
+    from nvdcp.gpu.plan import JobColumns
+
+    encoder = _encoder(1 << 30, 512 << 20)
+    encoder.chunk_bytes, encoder.granule = 1 << 16, 256
+    layout = choose_layout(torch.float32, "auto", "gdeflate")
+    jobs = [GpuJob("small", torch.empty(256), layout, torch.float32, 0, (256,)),
+            GpuJob("block", torch.empty(1 << 16), layout, torch.float32, 0, (1 << 16,))]
+    whole, per_block = encoder._job_costs(jobs, JobColumns.of(jobs))
+    assert per_block.tolist() == [4 * (2 * 65536 + 2048) + 2 * 65536] == [663552]
+    assert whole.tolist() == [663552 - 4 * (65280 + 2040), 663552]
+    assert whole[0] // 1024 == 385
+
+
 def _reference_plan(encoder: GpuEncoder, jobs: list[GpuJob]) -> list[list[tuple[int, int, int, int]]]:
     """The greedy rule one job (and, for a job cut over buckets, one block range) at a time:
     what the columnar planner must reproduce, segment for segment."""
     max_slots, budget = encoder.max_slots_for(2), encoder._bucket_budget(jobs, 2)
+    whole_cost = _whole_costs(encoder, jobs)
     buckets: list[list[tuple[int, int, int, int]]] = [[]]
     slots = cost = 0
     for j, job in enumerate(jobs):
@@ -77,9 +115,9 @@ def _reference_plan(encoder: GpuEncoder, jobs: list[GpuJob]) -> list[list[tuple[
         if blocks == 0:
             buckets[-1].append((j, 0, 0, slots))
             continue
-        if cost + blocks * per_block <= budget and slots + blocks * p <= max_slots:
+        if cost + whole_cost[j] <= budget and slots + blocks * p <= max_slots:
             buckets[-1].append((j, 0, blocks, slots))
-            slots, cost = slots + blocks * p, cost + blocks * per_block
+            slots, cost = slots + blocks * p, cost + whole_cost[j]
             continue
         b = 0
         fits_empty = min(budget // per_block, max_slots // p)
@@ -91,7 +129,8 @@ def _reference_plan(encoder: GpuEncoder, jobs: list[GpuJob]) -> list[list[tuple[
                 continue
             take = min(blocks - b, max(room, 1))
             buckets[-1].append((j, b, take, slots))
-            slots, cost, b = slots + take * p, cost + take * per_block, b + take
+            slots, cost = slots + take * p, cost + (whole_cost[j] if take == blocks else take * per_block)
+            b += take
     return [b for b in buckets if b]
 
 
