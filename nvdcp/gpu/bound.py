@@ -67,6 +67,12 @@ def codec_keys(jobs: Sequence[Any]) -> set[tuple[str, str | None]]:
     return {(name, typed_data_type(name, dtype)) for names, dtype in layouts for name in names if name != "none"}
 
 
+#: Codecs whose compression workspace grows with the chunks of a call (nvCOMP's Zstd; GDeflate,
+#: ANS and Bitcomp ask for none): buckets holding their chunks stay within the slot bound that
+#: :func:`workspace_bytes` is sized for.
+WORKSPACE_CODECS = frozenset({"zstd"})
+
+
 def workspace_bytes(codecs: CodecCache, keys: Iterable[tuple[str, str | None]], max_chunks: int) -> int:
     """Workspace bytes the codecs ``keys`` ask for, compressing calls of up to ``max_chunks``
     chunks: the largest request (the calls share one buffer per GPU). Of nvCOMP's codecs only

@@ -36,12 +36,12 @@ from nvdcp.format.crc import checksum_ranges
 from nvdcp.format.header import TRANSFORM_BYTEPLANES, ChunkTable, ItemHeader
 from nvdcp.format.header_batch import HeaderFields, header_layout, header_of, pack_headers_into
 from nvdcp.gpu import crc32c
-from nvdcp.gpu.bound import SaveBound, fit_scratch
+from nvdcp.gpu.bound import WORKSPACE_CODECS, SaveBound, fit_scratch
 from nvdcp.gpu.merge import PLANE_COUNTS, merge_table, split_available, split_rows
 from nvdcp.gpu.nvcomp_batch import WORKSPACES, BatchResult, NvcompCallError, side_streams_on
 from nvdcp.gpu.nvcomp_codecs import CodecCache
 from nvdcp.gpu.pinned import PinnedPool
-from nvdcp.gpu.plan import Bucket, JobColumns, Segment, plan_buckets
+from nvdcp.gpu.plan import Bucket, Charges, JobColumns, Segment, plan_buckets
 from nvdcp.pipeline.cpu import EncodedItem, layout_codec_ids
 from nvdcp.pipeline.delta import DeltaInput
 from nvdcp.pipeline.policy import Layout
@@ -550,31 +550,42 @@ class GpuEncoder:
         return max(scratch // 2, 64 * self.chunk_bytes)
 
     def _plan(self, jobs: list[GpuJob], depth: int = 2) -> list[Bucket]:
-        """Pack block ranges of the jobs, in order, into buckets under the budget (and under the
-        pinned budget's share of each of ``depth`` buckets held at once): :func:`~nvdcp.gpu.plan.plan_buckets`."""
+        """Pack block ranges of the jobs, in order, into buckets under the budget and under the
+        pinned budget's share of each of ``depth`` buckets held at once
+        (:func:`~nvdcp.gpu.plan.plan_buckets`; the charges: :meth:`_charges`)."""
         budget = self._bucket_budget(jobs, depth)  # first: under a bound it may change layouts
         cols = JobColumns.of(jobs)
-        job_cost, kind_block_cost = self._job_costs(jobs, cols)
-        return plan_buckets(cols, job_cost, kind_block_cost, self.chunk_bytes, budget, self.max_slots_for(depth))
+        return plan_buckets(cols, self.chunk_bytes, *self._charges(jobs, cols, budget, depth))
 
-    def _job_costs(self, jobs: list[GpuJob], cols: JobColumns) -> tuple[np.ndarray, np.ndarray]:
-        """``(whole, per_block)``: each job's cost held whole in one bucket, and a full block's
-        cost for each job kind (:meth:`_block_cost`; a job cut over buckets is counted by it).
+    def _charges(self, jobs: list[GpuJob], cols: JobColumns, budget: int, depth: int) -> tuple[Charges, Charges]:
+        """What each job charges against a bucket's GPU budget and its pinned share.
 
-        A job's last block is counted by its bytes where they, not the chunk size, set the GPU
-        memory: its packed copy, gather index and a delta's temporaries hold the block's bytes
-        rounded up to the granule; its slot and nvCOMP output slot stay whole chunks. A 1 KiB
-        fp32 tensor then costs 385 KiB of a bucket instead of 648 KiB (64 KiB chunks), so a
-        bucket of small tensors holds up to the pinned budget's slot bound of them."""
+        GPU: a full block costs :meth:`_block_cost`. A job's last block is counted by its bytes
+        where they, not the chunk size, set the memory: its packed copy, gather index and a
+        delta's temporaries hold the block's bytes rounded up to the granule; its slot and
+        nvCOMP output slot stay whole chunks. A 1 KiB fp32 tensor then costs 385 KiB of a bucket
+        instead of 648 KiB (64 KiB chunks).
+
+        Pinned: a bucket's stored chunks, each at most its raw bytes rounded up to the granule, so
+        a small tensor charges its bytes, not a chunk per plane: 100,000 small tensors at the
+        writer's four buckets held at once took 171 buckets of 2,048 slots each, at about 7 ms of
+        own time a bucket (H100, ``bucket_budget_probe_2026-12-07_h100_session38.json``). Where a
+        codec's workspace grows with the chunks of a call (Zstd's, sized by
+        :func:`~nvdcp.gpu.bound.workspace_bytes` for a bucket's slot bound), every slot charges a
+        whole chunk, so no bucket holds more chunks than that."""
         c, g = self.chunk_bytes, self.granule
         kind_block_cost = np.asarray([self._block_cost(jobs[i]) for i in cols.kind_jobs], dtype=np.int64)
         blocks = -(-cols.elements // c)
-        tail = cols.elements - (blocks - 1) * c  # bytes of the last block of each plane (blocks > 0)
-        unused = np.where(blocks > 0, c - -(-tail // g) * g, 0)  # of the last block's chunk, per plane
+        tail = cols.elements - (blocks - 1) * c  # bytes of each plane's last block (blocks > 0)
+        unused = np.where(blocks > 0, c - -(-tail // g) * g, 0)  # of that block's chunk, per plane
         # per unused byte: the packed copy and a delta's base and XOR; per unused granule: 8 index bytes
         saved = unused * (1 + 2 * cols.has_base) + unused // g * 8
-        whole = blocks * kind_block_cost[cols.kind] - cols.planes * saved
-        return whole, kind_block_cost
+        gpu = Charges(blocks * kind_block_cost[cols.kind] - cols.planes * saved, kind_block_cost, budget)
+        per_chunk_workspace = any(name in WORKSPACE_CODECS for name, _ in cols.keys)
+        pinned_whole = cols.planes * (blocks * c - (0 if per_chunk_workspace else unused))
+        kind_planes = np.asarray([jobs[i].n_planes for i in cols.kind_jobs], dtype=np.int64)
+        pinned = Charges(pinned_whole, kind_planes * c, self.max_slots_for(depth) * c)
+        return gpu, pinned
 
     # -- device work ---------------------------------------------------------------------------
     def _slot_table(self, jobs: list[GpuJob], bucket: Bucket) -> tuple[np.ndarray, np.ndarray, list[tuple[str, str | None]]]:

@@ -150,6 +150,17 @@ class Bucket:
         return max(0, int(np.searchsorted(self.first_slot, slot, side="right")) - 1)
 
 
+@dataclass(frozen=True)
+class Charges:
+    """What jobs charge against one of a bucket's bounds (the GPU scratch, the pinned buffer):
+    ``whole[j]`` for job ``j`` held whole by one bucket, ``per_block[k]`` for each block of a job
+    of kind ``k`` cut over buckets (never less than a block's share of ``whole``)."""
+
+    whole: np.ndarray  # int64 per job
+    per_block: np.ndarray  # int64 per kind
+    limit: int  # a bucket's bound
+
+
 class _Builder:
     """Buckets filled in order: pieces of segment columns per bucket, joined at the end."""
 
@@ -158,16 +169,18 @@ class _Builder:
         self.done: list[Bucket] = []
         self._pieces: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # job, first block, blocks
         self.slots = 0
-        self.cost = 0
+        self.used = [0, 0]  # charged against the GPU bound, the pinned bound
 
     @property
     def empty(self) -> bool:
         return not self._pieces
 
-    def add(self, jobs: np.ndarray, first_blocks: np.ndarray, n_blocks: np.ndarray, slots: int, cost: int) -> None:
+    def add(self, jobs: np.ndarray, first_blocks: np.ndarray, n_blocks: np.ndarray, slots: int, gpu: int,
+            pinned: int) -> None:
         self._pieces.append((jobs, first_blocks, n_blocks))
         self.slots += slots
-        self.cost += cost
+        self.used[0] += gpu
+        self.used[1] += pinned
 
     def close(self) -> None:
         """End the current bucket (one with no segment is dropped)."""
@@ -175,71 +188,69 @@ class _Builder:
             job, first_block, n_blocks = (np.concatenate(column) for column in zip(*self._pieces))
             counts = n_blocks * self.cols.planes[job]
             first_slot = np.cumsum(counts) - counts  # segments back to back
-            self.done.append(Bucket(self.cols, job, first_block, n_blocks, first_slot, self.slots, self.cost))
-        self._pieces, self.slots, self.cost = [], 0, 0
+            self.done.append(Bucket(self.cols, job, first_block, n_blocks, first_slot, self.slots, self.used[0]))
+        self._pieces, self.slots, self.used = [], 0, [0, 0]
 
 
-def plan_buckets(cols: JobColumns, job_cost: np.ndarray, kind_block_cost: np.ndarray, chunk_bytes: int,
-                 budget: int, max_slots: int) -> list[Bucket]:
-    """Pack every job's blocks, in order, into buckets of at most ``max_slots`` slots whose
-    blocks cost at most ``budget`` (``job_cost``: each job's cost held whole;
-    ``kind_block_cost``: a block's cost for each job kind, for the parts of a job cut over buckets).
+def plan_buckets(cols: JobColumns, chunk_bytes: int, gpu: Charges, pinned: Charges) -> list[Bucket]:
+    """Pack every job's blocks, in order, into buckets within two bounds: the GPU scratch a
+    bucket may use (``gpu``) and the pinned buffer it is copied out into (``pinned``).
 
     Greedy, job by job: a job that fits whole in the current bucket's rest goes there (found for
-    a run of jobs at once by binary search over cumulative costs and slots); one that does not
-    but would fit an empty bucket starts a new one (its chunks then stay in one host buffer);
-    a larger one fills the rest and continues in new buckets. A bucket holding one segment may
-    exceed the bounds (a single block over the budget). Empty jobs get a segment of no blocks.
+    a run of jobs at once by binary search over cumulative charges); one that does not but would
+    fit an empty bucket starts a new one (its chunks then stay in one host buffer); a larger one
+    fills the rest and continues in new buckets, charged by the block. A bucket holding one
+    segment may exceed the bounds (a single block over them). Empty jobs get a segment of no blocks.
     """
     c = chunk_bytes
     n = len(cols.elements)
     blocks = -(-cols.elements // c)
-    per_block = kind_block_cost[cols.kind] if n else np.zeros(0, dtype=np.int64)
     slots = blocks * cols.planes
-    cost = np.asarray(job_cost, dtype=np.int64)
+    cum = [np.zeros(n + 1, dtype=np.int64) for _ in range(2)]
+    for total, charges in zip(cum, (gpu, pinned)):
+        np.cumsum(np.asarray(charges.whole, dtype=np.int64), out=total[1:])
     cum_slots = np.zeros(n + 1, dtype=np.int64)
-    cum_cost = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(slots, out=cum_slots[1:])
-    np.cumsum(cost, out=cum_cost[1:])
     zeros = np.zeros(n, dtype=np.int64)
+    limits = (gpu.limit, pinned.limit)
     out = _Builder(cols)
     j = 0
     while j < n:
-        room_cost, room_slots = budget - out.cost, max_slots - out.slots
-        if room_cost >= 0 and room_slots >= 0:
-            # jobs j..end-1 fit whole in the rest (the cumulative sums never decrease)
-            end = min(int(np.searchsorted(cum_cost, cum_cost[j] + room_cost, side="right")),
-                      int(np.searchsorted(cum_slots, cum_slots[j] + room_slots, side="right"))) - 1
+        rooms = [limit - used for limit, used in zip(limits, out.used)]
+        if min(rooms) >= 0:
+            # jobs j..end-1 fit whole in the rest (the cumulative charges never decrease)
+            end = min(int(np.searchsorted(total, total[j] + room, side="right")) for total, room in zip(cum, rooms)) - 1
             if end > j:
                 out.add(np.arange(j, end, dtype=np.int64), zeros[j:end], blocks[j:end],
-                        int(cum_slots[end] - cum_slots[j]), int(cum_cost[end] - cum_cost[j]))
+                        int(cum_slots[end] - cum_slots[j]), *(int(total[end] - total[j]) for total in cum))
                 j = end
                 continue
         if blocks[j] == 0:  # an empty job, after a bucket over its bounds: it joins that one
-            out.add(np.array([j], dtype=np.int64), zeros[:1], zeros[:1], 0, 0)
+            out.add(np.array([j], dtype=np.int64), zeros[:1], zeros[:1], 0, 0, 0)
             j += 1
             continue
-        _place_cut_job(out, j, int(blocks[j]), int(cols.planes[j]), int(per_block[j]), int(cost[j]), budget,
-                       max_slots)
+        k = int(cols.kind[j])
+        _place_cut_job(out, j, int(blocks[j]), int(cols.planes[j]), limits,
+                       (int(gpu.per_block[k]), int(pinned.per_block[k])), (int(gpu.whole[j]), int(pinned.whole[j])))
         j += 1
     out.close()
     return out.done
 
 
-def _place_cut_job(out: _Builder, j: int, blocks: int, planes: int, per_block: int, whole: int, budget: int,
-                   max_slots: int) -> None:
+def _place_cut_job(out: _Builder, j: int, blocks: int, planes: int, limits: tuple[int, int],
+                   per_block: tuple[int, int], whole: tuple[int, int]) -> None:
     """Place job ``j``, which does not fit whole in the current bucket's rest, one block range at
-    a time (each at ``per_block`` a block; ``whole``: its cost if it lands whole in a new bucket)."""
-    fits_empty = min(budget // per_block, max_slots // planes)
+    a time (each charged ``per_block`` a block; ``whole`` if it lands whole in a new bucket)."""
+    fits_empty = min(limit // charge for limit, charge in zip(limits, per_block))
     b = 0
     while b < blocks:
-        room = min((budget - out.cost) // per_block, (max_slots - out.slots) // planes)
+        room = min((limit - used) // charge for limit, used, charge in zip(limits, out.used, per_block))
         if not out.empty and (room <= 0 or (b == 0 and room < blocks <= fits_empty)):
             # a new bucket, also for a job that would fit whole in one but not in this one's rest
             out.close()
             continue
         take = min(blocks - b, max(room, 1))
-        cost = whole if take == blocks else take * per_block
+        charged = whole if take == blocks else tuple(take * charge for charge in per_block)
         out.add(np.array([j], dtype=np.int64), np.array([b], dtype=np.int64), np.array([take], dtype=np.int64),
-                take * planes, cost)
+                take * planes, *charged)
         b += take

@@ -21,39 +21,63 @@ def _encoder(budget: int, pinned: int) -> GpuEncoder:
     return encoder
 
 
-def _jobs(seed: int, n: int) -> list[GpuJob]:
+def _jobs(seed: int, n: int, codec: str = "zstd") -> list[GpuJob]:
+    """Jobs of three dtypes and sizes from empty to 40 chunks a plane; ``codec="zstd"``: their
+    chunks charge whole chunks of pinned memory (Zstd's workspace grows with a call's chunks);
+    ``"gdeflate"``: their bytes."""
     rng = np.random.default_rng(seed)
     jobs = []
     for i in range(n):
         dtype = (torch.float32, torch.bfloat16, torch.uint8)[i % 3]
-        elements = int(rng.choice([0, 1, C - 1, C, 3 * C + 7, int(rng.integers(1, 40 * C))]))
+        elements = int(rng.choice([0, 1, 300, C - 1, C, 3 * C + 7, int(rng.integers(1, 40 * C))]))
         data = torch.empty(elements, dtype=dtype)
-        jobs.append(GpuJob(i, data, choose_layout(dtype, "zstd"), dtype, 0, (elements,)))
+        jobs.append(GpuJob(i, data, choose_layout(dtype, codec), dtype, 0, (elements,)))
     return jobs
 
 
+def _whole_charges(encoder: GpuEncoder, jobs: list[GpuJob]) -> tuple[list[int], list[int]]:
+    """Each job's charges held whole, one job at a time. GPU: its full blocks at the block cost;
+    its last block's packed copy, gather index (and a delta's base and XOR) by that block's bytes
+    rounded up to the granule, its slot and output slot whole chunks. Pinned: a chunk per slot
+    when a Zstd plane is in the save, else its bytes rounded up to the granule per plane."""
+    g = encoder.granule
+    whole_chunks = any("zstd" in job.layout.plane_codecs for job in jobs)
+    gpu, pinned = [], []
+    for job in jobs:
+        blocks, p = -(-job.elements // C), job.n_planes
+        unused = C - -(-(job.elements - (blocks - 1) * C) // g) * g if blocks else 0
+        per_byte = 3 if job.delta is not None else 1
+        gpu.append(blocks * encoder._block_cost(job) - p * (unused * per_byte + unused // g * 8))
+        pinned.append(p * blocks * C if whole_chunks else p * (blocks * C - unused))
+    return gpu, pinned
+
+
+@pytest.mark.parametrize("codec", ["zstd", "gdeflate"])
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("budget_chunks", [64, 300, 5000])
-def test_the_plan_places_every_block_once_in_order_within_the_bounds(seed: int, budget_chunks: int) -> None:
+def test_the_plan_places_every_block_once_in_order_within_the_bounds(seed: int, budget_chunks: int,
+                                                                     codec: str) -> None:
     encoder = _encoder(budget_chunks * C, 1024 * C)
-    jobs = _jobs(seed, 300)
+    jobs = _jobs(seed, 300, codec)
     max_slots, budget = encoder.max_slots_for(2), encoder._bucket_budget(jobs, 2)
     buckets = encoder._plan(jobs)
-    whole_cost = _whole_costs(encoder, jobs)
+    gpu_whole, pinned_whole = _whole_charges(encoder, jobs)
     placed: list[tuple[int, int, int]] = []
     for bucket in buckets:
-        slot = 0
-        cost = 0
+        slot = cost = pinned = 0
         for seg in bucket.segments:
             job = jobs[seg.job]
             assert seg.first_slot == slot  # segments packed back to back
             slot += seg.n_blocks * job.n_planes
             held_whole = seg.first_block == 0 and seg.n_blocks * C >= job.elements
-            cost += whole_cost[seg.job] if held_whole else seg.n_blocks * encoder._block_cost(job)
+            cost += gpu_whole[seg.job] if held_whole else seg.n_blocks * encoder._block_cost(job)
+            pinned += pinned_whole[seg.job] if held_whole else seg.n_blocks * job.n_planes * C
             placed.append((seg.job, seg.first_block, seg.n_blocks))
         assert slot == bucket.slots and cost == bucket.cost
-        assert bucket.slots <= max_slots or len(bucket.segments) == 1
+        assert pinned <= max_slots * C or len(bucket.segments) == 1
         assert bucket.cost <= budget or len(bucket.segments) == 1
+        if codec == "zstd":  # Zstd's workspace is sized for the slot bound
+            assert bucket.slots <= max_slots or len(bucket.segments) == 1
     expected_next = {j: 0 for j in range(len(jobs))}
     order = [j for j, _, _ in placed]
     assert order == sorted(order)  # jobs in order
@@ -68,22 +92,20 @@ def test_the_plan_places_every_block_once_in_order_within_the_bounds(seed: int, 
             assert sum(1 for k, _, _ in placed if k == j) == 1, f"job {j} fits a bucket but was cut"
 
 
-def _whole_costs(encoder: GpuEncoder, jobs: list[GpuJob]) -> list[int]:
-    """Each job's cost held whole, one job at a time: its full blocks at the block cost; its
-    last block's packed copy, gather index (and a delta's base and XOR) by that block's bytes
-    rounded up to the granule, its slot and output slot whole chunks."""
-    g = encoder.granule
-    out = []
-    for job in jobs:
-        blocks, p = -(-job.elements // C), job.n_planes
-        if not blocks:
-            out.append(0)
-            continue
-        tail = job.elements - (blocks - 1) * C
-        unused = C - -(-tail // g) * g
-        per_byte = 3 if job.delta is not None else 1
-        out.append(blocks * encoder._block_cost(job) - p * (unused * per_byte + unused // g * 8))
-    return out
+def test_small_tensors_without_zstd_fill_buckets_past_the_slot_bound() -> None:
+    """Small tensors whose planes use no Zstd charge the pinned budget their bytes: a bucket
+    holds more of their slots than the chunk-per-slot bound would allow (fewer buckets, each a
+    fixed cost of the encode thread), while their packed bytes stay within the pinned share."""
+    encoder = _encoder(1 << 30, 64 * C)
+    jobs = [GpuJob(i, torch.empty(256), choose_layout(torch.float32, "gdeflate"), torch.float32, 0, (256,))
+            for i in range(2000)]
+    max_slots = encoder.max_slots_for(2)
+    buckets = encoder._plan(jobs)
+    assert max(b.slots for b in buckets) > max_slots
+    assert all(len(b) * 4 * 256 <= max_slots * C for b in buckets)  # 4 planes of 256 bytes each
+    zstd = [GpuJob(i, torch.empty(256), choose_layout(torch.float32, "zstd"), torch.float32, 0, (256,))
+            for i in range(2000)]
+    assert max(b.slots for b in encoder._plan(zstd)) <= max_slots
 
 
 def test_a_small_tensor_costs_its_bytes_not_whole_chunks_where_they_are_its_bytes() -> None:
@@ -97,51 +119,57 @@ def test_a_small_tensor_costs_its_bytes_not_whole_chunks_where_they_are_its_byte
     layout = choose_layout(torch.float32, "auto", "gdeflate")
     jobs = [GpuJob("small", torch.empty(256), layout, torch.float32, 0, (256,)),
             GpuJob("block", torch.empty(1 << 16), layout, torch.float32, 0, (1 << 16,))]
-    whole, per_block = encoder._job_costs(jobs, JobColumns.of(jobs))
-    assert per_block.tolist() == [4 * (2 * 65536 + 2048) + 2 * 65536] == [663552]
-    assert whole.tolist() == [663552 - 4 * (65280 + 2040), 663552]
-    assert whole[0] // 1024 == 385
+    gpu, pinned = encoder._charges(jobs, JobColumns.of(jobs), 1 << 29, 2)
+    assert gpu.per_block.tolist() == [4 * (2 * 65536 + 2048) + 2 * 65536] == [663552]
+    assert gpu.whole.tolist() == [663552 - 4 * (65280 + 2040), 663552]
+    assert gpu.whole[0] // 1024 == 385
+    assert pinned.whole.tolist() == [4 * 256, 4 * 65536]  # no Zstd plane: bytes, not chunks
 
 
 def _reference_plan(encoder: GpuEncoder, jobs: list[GpuJob]) -> list[list[tuple[int, int, int, int]]]:
     """The greedy rule one job (and, for a job cut over buckets, one block range) at a time:
     what the columnar planner must reproduce, segment for segment."""
     max_slots, budget = encoder.max_slots_for(2), encoder._bucket_budget(jobs, 2)
-    whole_cost = _whole_costs(encoder, jobs)
+    pin_limit = max_slots * C
+    gpu_whole, pinned_whole = _whole_charges(encoder, jobs)
     buckets: list[list[tuple[int, int, int, int]]] = [[]]
-    slots = cost = 0
+    slots = cost = pinned = 0
     for j, job in enumerate(jobs):
         blocks, p, per_block = -(-job.elements // C), job.n_planes, encoder._block_cost(job)
         if blocks == 0:
             buckets[-1].append((j, 0, 0, slots))
             continue
-        if cost + whole_cost[j] <= budget and slots + blocks * p <= max_slots:
+        if cost + gpu_whole[j] <= budget and pinned + pinned_whole[j] <= pin_limit:
             buckets[-1].append((j, 0, blocks, slots))
-            slots, cost = slots + blocks * p, cost + whole_cost[j]
+            slots, cost, pinned = slots + blocks * p, cost + gpu_whole[j], pinned + pinned_whole[j]
             continue
         b = 0
-        fits_empty = min(budget // per_block, max_slots // p)
+        fits_empty = min(budget // per_block, pin_limit // (p * C))
         while b < blocks:
-            room = min((budget - cost) // per_block, (max_slots - slots) // p)
+            room = min((budget - cost) // per_block, (pin_limit - pinned) // (p * C))
             if buckets[-1] and (room <= 0 or (b == 0 and room < blocks <= fits_empty)):
                 buckets.append([])
-                slots = cost = 0
+                slots = cost = pinned = 0
                 continue
             take = min(blocks - b, max(room, 1))
             buckets[-1].append((j, b, take, slots))
-            slots, cost = slots + take * p, cost + (whole_cost[j] if take == blocks else take * per_block)
+            whole = take == blocks
+            slots += take * p
+            cost += gpu_whole[j] if whole else take * per_block
+            pinned += pinned_whole[j] if whole else take * p * C
             b += take
     return [b for b in buckets if b]
 
 
+@pytest.mark.parametrize("codec", ["zstd", "gdeflate"])
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("budget_chunks", [3, 64, 300, 5000])
-def test_the_columnar_plan_is_the_greedy_rule_segment_for_segment(seed: int, budget_chunks: int) -> None:
+def test_the_columnar_plan_is_the_greedy_rule_segment_for_segment(seed: int, budget_chunks: int, codec: str) -> None:
     """plan_buckets places runs of jobs by binary search: the same buckets and segments as
     placing one job at a time, also with empty jobs after a bucket over its bounds (a budget
     below one block of a four-plane job) and jobs cut over many buckets."""
     encoder = _encoder(budget_chunks * C, 512 * C)
-    jobs = _jobs(seed, 400)
+    jobs = _jobs(seed, 400, codec)
     got = [[tuple(seg) for seg in bucket.segments] for bucket in encoder._plan(jobs)]
     assert got == _reference_plan(encoder, jobs)
     assert len(got) > 1
