@@ -583,12 +583,11 @@ class GpuEncoder:
         gpu = Charges(blocks * kind_block_cost[cols.kind] - cols.planes * saved, kind_block_cost, budget)
         per_chunk_workspace = any(name in WORKSPACE_CODECS for name, _ in cols.keys)
         pinned_whole = cols.planes * (blocks * c - (0 if per_chunk_workspace else unused))
-        kind_planes = np.asarray([jobs[i].n_planes for i in cols.kind_jobs], dtype=np.int64)
-        pinned = Charges(pinned_whole, kind_planes * c, self.max_slots_for(depth) * c)
+        pinned = Charges(pinned_whole, cols.planes[cols.kind_jobs] * c, self.max_slots_for(depth) * c)
         return gpu, pinned
 
     # -- device work ---------------------------------------------------------------------------
-    def _slot_table(self, jobs: list[GpuJob], bucket: Bucket) -> tuple[np.ndarray, np.ndarray, list[tuple[str, str | None]]]:
+    def _slot_table(self, bucket: Bucket) -> tuple[np.ndarray, np.ndarray, list[tuple[str, str | None]]]:
         """Per slot: uncompressed bytes and codec group (-1: stored raw); and the group keys,
         numbered in order of first use by the bucket's segments (an empty job's too). All numpy
         over the bucket's columns: a bucket of small tensors has a thousand segments."""
@@ -711,7 +710,7 @@ class GpuEncoder:
     def _launch(self, jobs: list[GpuJob], bucket: Bucket, parity: int) -> _Launched:
         stream = self.streams[parity]
         c, g = self.chunk_bytes, self.granule
-        raw_sizes, slot_key, keys = self._slot_table(jobs, bucket)
+        raw_sizes, slot_key, keys = self._slot_table(bucket)
         groups, end = [], bucket.slots * c
         for kid, (name, data_type) in enumerate(keys):
             cap = self.codecs.get(name, data_type).max_output

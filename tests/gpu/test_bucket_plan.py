@@ -196,5 +196,5 @@ def test_the_plan_reads_layouts_after_the_bound_swapped_zstd_out(monkeypatch: py
     monkeypatch.setattr(encoder, "_bucket_budget", swapping)
     buckets = encoder._plan(jobs)
     for bucket in buckets:
-        _, _, keys = encoder._slot_table(jobs, bucket)
+        _, _, keys = encoder._slot_table(bucket)
         assert keys and all(name == "gdeflate" for name, _ in keys), keys

@@ -494,7 +494,7 @@ def test_slot_table_matches_the_per_segment_rule(seed: int) -> None:
         segments.append(Segment(j, first_block, n_blocks, slot))
         slot += n_blocks * len(layout.plane_codecs)
     bucket = Bucket.of(JobColumns.of(jobs), segments, slot)
-    raw_sizes, slot_key, keys = encoder._slot_table(jobs, bucket)
+    raw_sizes, slot_key, keys = encoder._slot_table(bucket)
 
     want_raw = np.empty(slot, dtype=np.int64)
     want_key = np.full(slot, -1, dtype=np.int32)
