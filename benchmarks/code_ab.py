@@ -23,6 +23,7 @@ import os
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 from benchmarks.common import write_results
@@ -62,6 +63,24 @@ def _run_tree(spec: str, args: argparse.Namespace) -> dict[str, Any]:
     return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
+def _record(args: argparse.Namespace, trees: dict[str, str], runs: dict[str, list[dict[str, Any]]],
+            rounds_done: int) -> Path:
+    """Summarize the rounds so far (medians per tree) and write them; returns the JSON's path."""
+    summary = {}
+    for name, rs in runs.items():
+        summary[name] = {
+            f"{op}_{what}_median_s": statistics.median(r[what] for run in rs for r in run["ops"][op])
+            for op in ("save", "load") for what in ("wall_s", "own_s")
+        }
+        summary[name]["bit_exact"] = all(run["bit_exact"] for run in rs)
+        if rounds_done == args.rounds:
+            print(name, {k: round(v, 3) if isinstance(v, float) else v for k, v in summary[name].items()})
+    return write_results("code_ab", {
+        "issue": 18, "trees": trees, "case": args.case, "device": args.device, "rounds": args.rounds,
+        "rounds_done": rounds_done, "repeats": args.repeats, "summary": summary, "runs": runs,
+    }, args.out, suffix=args.suffix)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tree", action="append", required=True, help="NAME=PATH[,VAR=VALUE...]: a source tree, and environment variables for its runs (twice or more)")
@@ -83,18 +102,8 @@ def main(argv: list[str] | None = None) -> None:
             own = {op: statistics.median(r["own_s"] for r in rs) for op, rs in run["ops"].items()}
             print(f"round {rnd} {name}: save {medians['save']:.3f} s (own {own['save']:.3f}), "
                   f"load {medians['load']:.3f} s (own {own['load']:.3f}), bit-exact {run['bit_exact']}", flush=True)
-    summary = {}
-    for name, rs in runs.items():
-        summary[name] = {
-            f"{op}_{what}_median_s": statistics.median(r[what] for run in rs for r in run["ops"][op])
-            for op in ("save", "load") for what in ("wall_s", "own_s")
-        }
-        summary[name]["bit_exact"] = all(run["bit_exact"] for run in rs)
-        print(name, {k: round(v, 3) if isinstance(v, float) else v for k, v in summary[name].items()})
-    path = write_results("code_ab", {
-        "issue": 18, "trees": trees, "case": args.case, "device": args.device, "rounds": args.rounds,
-        "repeats": args.repeats, "summary": summary, "runs": runs,
-    }, args.out, suffix=args.suffix)
+        # Written after every round, so a run cut short (a device call's time limit) keeps its rounds.
+        path = _record(args, trees, runs, rounds_done=rnd + 1)
     print(f"-> {path}")
 
 

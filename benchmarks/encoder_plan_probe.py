@@ -5,9 +5,9 @@ own cost per item; these run on the encode thread, which a GPU save of many smal
     PYTHONPATH=/other/tree python benchmarks/encoder_plan_probe.py ...   # another tree's code
 
 20,000 jobs of 4 KiB-1 MiB (bf16 and fp32 alternating, as the ``small`` case), CPU tensors:
-``GpuEncoder._plan`` over all of them, then per bucket ``_slot_table`` and ``_split_planes``
-with the plane kernel taken as available and its launch stubbed out (the table is built, not
-sent). Best of ``repeats``, in µs per item. Built without ``GpuEncoder.__init__`` (no streams).
+``GpuEncoder._plan`` over all of them, then per bucket ``_slot_table`` with its ``SlotLayout``
+and ``_split_planes`` with the plane kernel taken as available and its launch stubbed out (the
+table is built, not sent). Best of ``repeats``, in µs per item. Built without ``GpuEncoder.__init__`` (no streams).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 
 from benchmarks.common import write_results
 from nvdcp.gpu import encoder as gpu_encoder
+from nvdcp.gpu.plan import SlotLayout
 from nvdcp.pipeline.policy import choose_layout
 
 
@@ -41,21 +42,28 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--suffix", default="")
     args = ap.parse_args(argv)
-    gpu_encoder._kernel_splits = lambda slots: True  # type: ignore[assignment]
+    gpu_encoder._kernel_splits = lambda device: True  # type: ignore[assignment]
     gpu_encoder.split_rows = lambda *a: None  # type: ignore[assignment]
     enc = object.__new__(gpu_encoder.GpuEncoder)
     enc.chunk_bytes, enc.granule, enc.bound = 65536, gpu_encoder.granule_for(65536), None
     enc.bucket_budget, enc.pinned_bytes, enc.keep_stream = 1 << 30, 512 << 20, None
+    enc.kernel_splits = True
     jobs = _jobs(args.items)
     buckets = enc._plan(jobs)
 
+    def layout(b: Any) -> SlotLayout:
+        raw_sizes, _, _ = enc._slot_table(b)
+        return SlotLayout.of(b, raw_sizes, gpu_encoder._KernelSplit.takes(b), enc.chunk_bytes, enc.granule)
+
+    layouts = [layout(b) for b in buckets]
+
     def slot_tables() -> None:
         for b in buckets:
-            enc._slot_table(jobs, b)
+            layout(b)
 
     def splits() -> None:
-        for b in buckets:
-            enc._split_planes(jobs, b, torch.empty((b.slots, 1), dtype=torch.uint8))
+        for b, lay in zip(buckets, layouts):
+            enc._split_planes(jobs, b, torch.empty(lay.end, dtype=torch.uint8), lay)
 
     us = {name: min(timeit.repeat(fn, number=1, repeat=args.repeats)) * 1e6 / len(jobs)
           for name, fn in (("plan", lambda: enc._plan(jobs)), ("slot_table", slot_tables), ("split_planes", splits))}

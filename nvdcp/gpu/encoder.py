@@ -41,7 +41,7 @@ from nvdcp.gpu.merge import PLANE_COUNTS, merge_table, split_available, split_ro
 from nvdcp.gpu.nvcomp_batch import WORKSPACES, BatchResult, NvcompCallError, side_streams_on
 from nvdcp.gpu.nvcomp_codecs import CodecCache
 from nvdcp.gpu.pinned import PinnedPool
-from nvdcp.gpu.plan import Bucket, Charges, JobColumns, Segment, plan_buckets
+from nvdcp.gpu.plan import Bucket, Charges, JobColumns, Segment, SlotLayout, plan_buckets
 from nvdcp.pipeline.cpu import EncodedItem, layout_codec_ids
 from nvdcp.pipeline.delta import DeltaInput
 from nvdcp.pipeline.policy import Layout
@@ -190,12 +190,12 @@ def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 KERNEL_SPLIT_MAX_BYTES = 4 << 20
 
 
-def _kernel_splits(slots: torch.Tensor) -> bool:
-    """Whether the plane kernel writes into ``slots`` here: on a CUDA device with Triton, or on
-    CPU tensors under ``TRITON_INTERPRET=1`` (tests); ``NVDCP_GPU_SPLIT=0`` turns it off."""
+def _kernel_splits(device: torch.device) -> bool:
+    """Whether the plane kernel writes slots on ``device``: a CUDA device with Triton, or CPU
+    tensors under ``TRITON_INTERPRET=1`` (tests); ``NVDCP_GPU_SPLIT=0`` turns it off."""
     if not split_available():
         return False
-    return slots.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _upload_table(table: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -222,12 +222,15 @@ class _KernelSplit:
 
     @staticmethod
     def takes(bucket: Bucket) -> np.ndarray:
-        """Which of the bucket's segments it splits: those of tensors up to
-        ``KERNEL_SPLIT_MAX_BYTES`` with nothing to difference or keep (and a plane count it has)."""
+        """Which of the bucket's segments it splits (:meth:`takes_jobs`)."""
         cols = bucket.cols
-        nbytes = cols.nbytes[bucket.job]
-        return (cols.plain[bucket.job] & np.isin(bucket.planes, PLANE_COUNTS)
-                & (nbytes > 0) & (nbytes <= KERNEL_SPLIT_MAX_BYTES))
+        return _KernelSplit.takes_jobs(cols.planes[bucket.job], cols.plain[bucket.job], cols.nbytes[bucket.job])
+
+    @staticmethod
+    def takes_jobs(planes: np.ndarray, plain: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+        """Which jobs it splits, from their columns: tensors up to ``KERNEL_SPLIT_MAX_BYTES``
+        with nothing to difference or keep (and a plane count it has)."""
+        return plain & np.isin(planes, PLANE_COUNTS) & (nbytes > 0) & (nbytes <= KERNEL_SPLIT_MAX_BYTES)
 
     def add(self, jobs: list[GpuJob], bucket: Bucket, segments: np.ndarray) -> None:
         """Split ``segments`` (indices into the bucket's, each of a job it takes) too."""
@@ -239,27 +242,31 @@ class _KernelSplit:
                                count=len(mine))
             self.by_planes[p] = (mine, addr)
 
-    def run(self, bucket: Bucket, slots: torch.Tensor) -> None:
-        """Queue the splits on the current stream: every plane count's table built in numpy, the
-        tables sent to the GPU in one upload (each upload waits for the GIL several times behind
-        a thread running Python, benchmarks/table_upload_probe.py, and a bucket of fp32 and bf16
-        tensors has two plane counts), then one launch per plane count on a view of it."""
-        tables = [(p, *self._table(p, bucket, mine, addr, slots.data_ptr()))
+    def run(self, bucket: Bucket, arena: torch.Tensor, layout: SlotLayout) -> None:
+        """Queue the splits on the current stream, into the slots where ``layout`` puts them in
+        ``arena``: every plane count's table built in numpy, the tables sent to the GPU in one
+        upload (each upload waits for the GIL several times behind a thread running Python,
+        benchmarks/table_upload_probe.py, and a bucket of fp32 and bf16 tensors has two plane
+        counts), then one launch per plane count on a view of it."""
+        slot_addr = arena.data_ptr() + layout.at
+        tables = [(p, *self._table(p, bucket, mine, addr, slot_addr))
                   for p, (mine, addr) in self.by_planes.items()]
         if not tables:
             return
         flat = torch.from_numpy(np.concatenate([t.reshape(-1) for _, t, _ in tables]))
-        if slots.is_cuda:
-            flat = _upload_table(flat, slots.device)
+        if arena.is_cuda:
+            flat = _upload_table(flat, arena.device)
         at = 0
         for p, table, longest in tables:
             rows = table.shape[0]
             split_rows(flat[at : at + table.size].view(rows, 2 + p), p, longest)
             at += table.size
 
-    def _table(self, p: int, bucket: Bucket, mine: np.ndarray, addr: np.ndarray, base: int) -> tuple[np.ndarray, int]:
+    def _table(self, p: int, bucket: Bucket, mine: np.ndarray, addr: np.ndarray,
+               slot_addr: np.ndarray) -> tuple[np.ndarray, int]:
         """The kernel's table for segments ``mine`` of ``p`` planes (one row per block), whose
-        tensors start at ``addr``, and the largest element count of a row."""
+        tensors start at ``addr``, into slots at ``slot_addr``; and the largest element count
+        of a row."""
         c = self.c
         m = bucket.cols.elements[bucket.job[mine]]
         first_block, n_blocks, first_slot = bucket.first_block[mine], bucket.n_blocks[mine], bucket.first_slot[mine]
@@ -269,7 +276,7 @@ class _KernelSplit:
         counts = np.minimum(c, m[seg_of] - block * c)
         rows = first_slot[seg_of] + b * p
         table = merge_table(addr[seg_of] + block * (c * p), counts,
-                            base + (rows[:, None] + np.arange(p, dtype=np.int64)) * c)
+                            slot_addr[rows[:, None] + np.arange(p, dtype=np.int64)])
         return table, int(counts.max())
 
 
@@ -410,6 +417,7 @@ class _Launched:
     bucket: Bucket
     stream: torch.cuda.Stream
     arena: torch.Tensor  # the bucket's slots, then each group's output slots
+    slot_at: np.ndarray  # byte offset of each slot in the arena (:class:`~nvdcp.gpu.plan.SlotLayout`)
     raw_sizes: np.ndarray  # uncompressed bytes per slot
     groups: list[_Group]
     encoded: torch.cuda.Event | None = None  # recorded after the bucket's encode calls
@@ -526,6 +534,8 @@ class GpuEncoder:
         self.codecs = CodecCache(chunk_bytes, gdeflate_type)
         #: chunk checksums on the device (the Triton kernel) rather than on the host after the copy
         self.device_crc = crc32c.device_crc_available()
+        #: small tensors split into planes by the plane kernel, into slots packed at the granule
+        self.kernel_splits = _kernel_splits(device)
 
     # -- planning ------------------------------------------------------------------------------
     def max_slots_for(self, depth: int) -> int:
@@ -562,9 +572,10 @@ class GpuEncoder:
 
         GPU: a full block costs :meth:`_block_cost`. A job's last block is counted by its bytes
         where they, not the chunk size, set the memory: its packed copy, gather index and a
-        delta's temporaries hold the block's bytes rounded up to the granule; its slot and
-        nvCOMP output slot stay whole chunks. A 1 KiB fp32 tensor then costs 385 KiB of a bucket
-        instead of 648 KiB (64 KiB chunks).
+        delta's temporaries hold the block's bytes rounded up to the granule, and so do its
+        slots when the plane kernel splits the job (packed: :class:`~nvdcp.gpu.plan.SlotLayout`);
+        nvCOMP's output slots stay whole. A 1 KiB fp32 tensor then costs 130 KiB of a bucket
+        (385 KiB with its slots whole, 648 KiB as a full block; 64 KiB chunks).
 
         Pinned: a bucket's stored chunks, each at most its raw bytes rounded up to the granule, so
         a small tensor charges its bytes, not a chunk per plane: 100,000 small tensors at the
@@ -578,8 +589,11 @@ class GpuEncoder:
         blocks = -(-cols.elements // c)
         tail = cols.elements - (blocks - 1) * c  # bytes of each plane's last block (blocks > 0)
         unused = np.where(blocks > 0, c - -(-tail // g) * g, 0)  # of that block's chunk, per plane
-        # per unused byte: the packed copy and a delta's base and XOR; per unused granule: 8 index bytes
-        saved = unused * (1 + 2 * cols.has_base) + unused // g * 8
+        # per unused byte: the packed copy, a delta's base and XOR, the slot of a job the kernel
+        # splits (packed at the granule: SlotLayout); per unused granule: 8 index bytes
+        packed = (_KernelSplit.takes_jobs(cols.planes, cols.plain, cols.nbytes) if self.kernel_splits
+                  else np.zeros(len(blocks), dtype=bool))
+        saved = unused * (1 + 2 * cols.has_base + packed) + unused // g * 8
         gpu = Charges(blocks * kind_block_cost[cols.kind] - cols.planes * saved, kind_block_cost, budget)
         per_chunk_workspace = any(name in WORKSPACE_CODECS for name, _ in cols.keys)
         pinned_whole = cols.planes * (blocks * c - (0 if per_chunk_workspace else unused))
@@ -617,8 +631,10 @@ class GpuEncoder:
         slot_key[slot] = renumber[cols.codec_keys[seg_kind[seg_of], at % planes]]
         return raw_sizes, slot_key, [cols.keys[key] for key in local]
 
-    def _split_planes(self, jobs: list[GpuJob], bucket: Bucket, slots: torch.Tensor) -> None:
-        """Copy each segment's blocks into its slots, one plane per slot (reads the tensors).
+    def _split_planes(self, jobs: list[GpuJob], bucket: Bucket, arena: torch.Tensor, layout: SlotLayout) -> None:
+        """Copy each segment's blocks into its slots, one plane per slot (reads the tensors), at
+        their places in ``arena`` (flat uint8): rows of a chunk for the torch copies below,
+        packed slots for the kernel's segments (:class:`~nvdcp.gpu.plan.SlotLayout`).
 
         Where the plane kernel runs, segments of tensors up to ``KERNEL_SPLIT_MAX_BYTES`` with
         nothing to difference or keep are split by it (:class:`_KernelSplit`), read by address.
@@ -632,8 +648,10 @@ class GpuEncoder:
         (delta_bench_2026-12-01_h200_decay_session8.json, profiles)."""
         c = self.chunk_bytes
         small: dict[tuple[int, int, int], tuple[list[torch.Tensor], list[int]]] = {}
-        kernel = _KernelSplit(c) if _kernel_splits(slots) else None
-        for run in self._runs(jobs, bucket):
+        kernel = _KernelSplit(c) if layout.kernel else None
+        slots = arena[: layout.n_rows * c].view(layout.n_rows, c)
+        row = layout.row_of[bucket.first_slot]  # each segment's first row (-1: packed slots)
+        for run in self._runs(jobs, bucket, row):
             split_run(run, slots, c, self.keep_stream)
         rest = np.arange(len(bucket))
         if kernel is not None:  # (a job with a base or a keep never is the kernel's)
@@ -641,7 +659,7 @@ class GpuEncoder:
             kernel.add(jobs, bucket, np.flatnonzero(takes))
             rest = np.flatnonzero(~takes)
         for s in rest.tolist():
-            seg = bucket.segment(s)
+            seg = bucket.segment(s)._replace(first_slot=int(row[s]))  # its rows, from here on
             job = jobs[seg.job]
             p, m = job.n_planes, job.elements
             if _runnable(job, seg, c):
@@ -679,12 +697,12 @@ class GpuEncoder:
         for (p, m, blocks), (sources, first_slots) in small.items():
             split_small_tensors(sources, first_slots, p, m, slots, blocks)
         if kernel is not None:
-            kernel.run(bucket, slots)
+            kernel.run(bucket, arena, layout)
 
-    def _runs(self, jobs: list[GpuJob], bucket: Bucket) -> Iterator[list[tuple[GpuJob, int]]]:
+    def _runs(self, jobs: list[GpuJob], bucket: Bucket, row: np.ndarray) -> Iterator[list[tuple[GpuJob, int]]]:
         """The bucket's runs for :func:`split_run`: its runnable jobs (:func:`_runnable`) grouped
-        by dtype, transform and whether they have a base, each with its first slot, in bucket
-        order. The concatenation is a temporary: runs with a base hold at most
+        by dtype, transform and whether they have a base, each with its first row (``row``:
+        per segment), in bucket order. The concatenation is a temporary: runs with a base hold at most
         ``DELTA_RUN_BYTES`` (the bucket's budget counts two temporaries per delta block), the
         others ``SMALL_SPLIT_BYTES``."""
         c = self.chunk_bytes
@@ -703,7 +721,7 @@ class GpuEncoder:
                 run = runs[key] = []
             if not run:
                 sizes[key] = 0
-            run.append((job, seg.first_slot))
+            run.append((job, int(row[s])))
             sizes[key] += job.nbytes
         yield from (run for run in runs.values() if run)
 
@@ -711,7 +729,8 @@ class GpuEncoder:
         stream = self.streams[parity]
         c, g = self.chunk_bytes, self.granule
         raw_sizes, slot_key, keys = self._slot_table(bucket)
-        groups, end = [], bucket.slots * c
+        layout = SlotLayout.of(bucket, raw_sizes, _KernelSplit.takes(bucket) if self.kernel_splits else None, c, g)
+        groups, end = [], layout.end
         for kid, (name, data_type) in enumerate(keys):
             cap = self.codecs.get(name, data_type).max_output
             ids = np.flatnonzero(slot_key == kid)
@@ -720,19 +739,18 @@ class GpuEncoder:
             end = base + len(ids) * groups[-1].cap
         with torch.cuda.stream(stream):
             arena = torch.empty(max(end, g), dtype=torch.uint8, device=self.device)
-            slots = arena[: bucket.slots * c].view(bucket.slots, c)
             # nvCOMP's GDeflate leaves some bytes of its output unwritten (measured on the H200:
             # 136 bytes of a 256x256 fp32 record followed what the buffer held before): zeroed
             # output slots keep records byte-reproducible and no stale device memory in a file.
-            arena[bucket.slots * c :].zero_()
-            self._split_planes(jobs, bucket, slots)
-            self._compress_groups(arena, raw_sizes, groups, keys, parity)
+            arena[layout.end :].zero_()
+            self._split_planes(jobs, bucket, arena, layout)
+            self._compress_groups(arena, layout.at, raw_sizes, groups, keys, parity)
             encoded = torch.cuda.Event()
             encoded.record(stream)
-        return _Launched(bucket, stream, arena, raw_sizes, groups, encoded, jobs)
+        return _Launched(bucket, stream, arena, layout.at, raw_sizes, groups, encoded, jobs)
 
-    def _compress_groups(self, arena: torch.Tensor, raw_sizes: np.ndarray, groups: list[_Group],
-                         keys: list[tuple[str, str | None]], parity: int) -> None:
+    def _compress_groups(self, arena: torch.Tensor, slot_at: np.ndarray, raw_sizes: np.ndarray,
+                         groups: list[_Group], keys: list[tuple[str, str | None]], parity: int) -> None:
         """Queue one nvCOMP call per codec group, the first on the bucket's stream and each
         other on a side stream of its own, after the split and before what the bucket's stream
         queues next. A delta's sparse top planes go to Zstd, whose call takes milliseconds
@@ -740,7 +758,6 @@ class GpuEncoder:
         planes runs beside it (GDeflate asks for no workspace, so it never waits for Zstd's).
         The arena needs no ``record_stream``: the bucket's stream joins every side stream
         before anything frees it."""
-        c = self.chunk_bytes
         stream = self.streams[parity]
         split = torch.cuda.Event()
         split.record(stream)
@@ -755,7 +772,7 @@ class GpuEncoder:
                     sides.append(on)
                 out_offsets = grp.base + np.arange(len(grp.ids), dtype=np.int64) * grp.cap
                 grp.result = self.codecs.get(name, data_type).compress(
-                    arena, grp.ids * c, raw_sizes[grp.ids], arena, out_offsets, on)
+                    arena, slot_at[grp.ids], raw_sizes[grp.ids], arena, out_offsets, on)
         finally:  # also when a call was refused: nothing frees the arena under a side stream's work
             for side in sides:
                 stream.wait_stream(side)
@@ -769,9 +786,9 @@ class GpuEncoder:
 
     def _to_host(self, launched: _Launched, sink: HostSink) -> HostBucket:
         """Pack the bucket's stored chunks on the device and queue their copy into ``sink``'s memory."""
-        c, g = self.chunk_bytes, self.granule
+        g = self.granule
         stored = launched.raw_sizes.copy()
-        src_offsets = np.arange(len(stored), dtype=np.int64) * c
+        src_offsets = launched.slot_at.copy()
         if launched.encoded is not None and launched.groups:
             launched.encoded.synchronize()  # the sizes' copies came before it on the stream
         for grp in launched.groups:

@@ -150,6 +150,54 @@ class Bucket:
         return max(0, int(np.searchsorted(self.first_slot, slot, side="right")) - 1)
 
 
+def slot_ranges(first: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The slots ``first[i] .. first[i] + counts[i] - 1`` of every range, concatenated (int64)."""
+    starts = np.cumsum(counts) - counts
+    return np.repeat(first - starts, counts) + np.arange(int(counts.sum()), dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """Where a bucket's slots lie in its arena (byte offsets from its start).
+
+    The torch copies write a segment's slots as consecutive rows of a whole chunk: those slots
+    come first, as rows in slot order. The plane kernel writes each slot by address
+    (:class:`~nvdcp.gpu.encoder._KernelSplit`): the slots of the segments it splits follow,
+    each its raw bytes rounded up to the compaction granule, so a 1 KiB tensor's four planes
+    take 1 KiB of the arena instead of four 64 KiB rows. nvCOMP reads every slot at its offset
+    and the compaction gathers uncompressed ones from there, whole granules at a time."""
+
+    at: np.ndarray  # int64 per slot: its first byte
+    row_of: np.ndarray  # int64 per slot: its row among the chunk-sized ones; -1: packed
+    n_rows: int  # chunk-sized rows, first in the arena
+    end: int  # bytes all slots take
+    kernel: bool  # the plane kernel splits the segments it takes (their slots may be packed)
+
+    @classmethod
+    def rows(cls, n_slots: int, chunk_bytes: int, kernel: bool) -> SlotLayout:
+        """Every slot a row of ``chunk_bytes``, in slot order."""
+        row_of = np.arange(n_slots, dtype=np.int64)
+        return cls(row_of * chunk_bytes, row_of, n_slots, n_slots * chunk_bytes, kernel)
+
+    @classmethod
+    def of(cls, bucket: Bucket, raw_sizes: np.ndarray, packed: np.ndarray | None, chunk_bytes: int,
+           granule: int) -> SlotLayout:
+        """The slots of ``bucket``'s segments where ``packed`` (bool per segment: those the
+        kernel splits; None: the kernel does not run) packed at ``granule`` after the rows of
+        all other slots; ``raw_sizes``: each slot's bytes."""
+        if packed is None or not packed.any():
+            return cls.rows(bucket.slots, chunk_bytes, kernel=packed is not None)
+        dense = np.zeros(bucket.slots, dtype=bool)
+        dense[slot_ranges(bucket.first_slot[packed], bucket.slot_counts[packed])] = True
+        is_row = ~dense
+        row_of = np.where(is_row, np.cumsum(is_row) - 1, -1)
+        n_rows = bucket.slots - int(dense.sum())
+        sizes = -(-raw_sizes[dense] // granule) * granule
+        at = row_of * chunk_bytes
+        at[dense] = n_rows * chunk_bytes + np.cumsum(sizes) - sizes
+        return cls(at, row_of, n_rows, n_rows * chunk_bytes + int(sizes.sum()), kernel=True)
+
+
 @dataclass(frozen=True)
 class Charges:
     """What jobs charge against one of a bucket's bounds (the GPU scratch, the pinned buffer):

@@ -14,10 +14,12 @@ from nvdcp.pipeline.policy import choose_layout
 C = 1024
 
 
-def _encoder(budget: int, pinned: int) -> GpuEncoder:
-    encoder = object.__new__(GpuEncoder)  # planning only: no streams, no device
+def _encoder(budget: int, pinned: int, kernel: bool = False) -> GpuEncoder:
+    """An encoder for planning only (no streams, no device); ``kernel``: as where the plane
+    kernel splits small tensors into slots packed at the granule."""
+    encoder = object.__new__(GpuEncoder)
     encoder.chunk_bytes, encoder.granule, encoder.bound = C, granule_for(C), None
-    encoder.bucket_budget, encoder.pinned_bytes = budget, pinned
+    encoder.bucket_budget, encoder.pinned_bytes, encoder.kernel_splits = budget, pinned, kernel
     return encoder
 
 
@@ -37,27 +39,29 @@ def _jobs(seed: int, n: int, codec: str = "zstd") -> list[GpuJob]:
 
 def _whole_charges(encoder: GpuEncoder, jobs: list[GpuJob]) -> tuple[list[int], list[int]]:
     """Each job's charges held whole, one job at a time. GPU: its full blocks at the block cost;
-    its last block's packed copy, gather index (and a delta's base and XOR) by that block's bytes
-    rounded up to the granule, its slot and output slot whole chunks. Pinned: a chunk per slot
-    when a Zstd plane is in the save, else its bytes rounded up to the granule per plane."""
+    its last block's packed copy, gather index (and a delta's base and XOR; and its slots, when
+    the encoder's plane kernel packs them: every non-empty job here) by that block's bytes
+    rounded up to the granule, its output slot whole chunks. Pinned: a chunk per slot when a
+    Zstd plane is in the save, else its bytes rounded up to the granule per plane."""
     g = encoder.granule
     whole_chunks = any("zstd" in job.layout.plane_codecs for job in jobs)
     gpu, pinned = [], []
     for job in jobs:
         blocks, p = -(-job.elements // C), job.n_planes
         unused = C - -(-(job.elements - (blocks - 1) * C) // g) * g if blocks else 0
-        per_byte = 3 if job.delta is not None else 1
+        per_byte = (3 if job.delta is not None else 1) + (encoder.kernel_splits and job.delta is None and job.keep is None)
         gpu.append(blocks * encoder._block_cost(job) - p * (unused * per_byte + unused // g * 8))
         pinned.append(p * blocks * C if whole_chunks else p * (blocks * C - unused))
     return gpu, pinned
 
 
+@pytest.mark.parametrize("kernel", [False, True])
 @pytest.mark.parametrize("codec", ["zstd", "gdeflate"])
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("budget_chunks", [64, 300, 5000])
 def test_the_plan_places_every_block_once_in_order_within_the_bounds(seed: int, budget_chunks: int,
-                                                                     codec: str) -> None:
-    encoder = _encoder(budget_chunks * C, 1024 * C)
+                                                                     codec: str, kernel: bool) -> None:
+    encoder = _encoder(budget_chunks * C, 1024 * C, kernel)
     jobs = _jobs(seed, 300, codec)
     max_slots, budget = encoder.max_slots_for(2), encoder._bucket_budget(jobs, 2)
     buckets = encoder._plan(jobs)
@@ -108,21 +112,24 @@ def test_small_tensors_without_zstd_fill_buckets_past_the_slot_bound() -> None:
     assert max(b.slots for b in encoder._plan(zstd)) <= max_slots
 
 
-def test_a_small_tensor_costs_its_bytes_not_whole_chunks_where_they_are_its_bytes() -> None:
-    """A 1 KiB fp32 tensor (64 KiB chunks, GPU auto layout): four whole slots and one nvCOMP
-    output slot of two chunks, but a packed copy and gather index of its 1 KiB: 385 KiB of a
-    bucket, not the 648 KiB of a full block; a full block still costs a full block."""
+@pytest.mark.parametrize("kernel", [False, True])
+def test_a_small_tensor_costs_its_bytes_not_whole_chunks_where_they_are_its_bytes(kernel: bool) -> None:
+    """A 1 KiB fp32 tensor (64 KiB chunks, GPU auto layout): one nvCOMP output slot of two
+    chunks, but a packed copy and gather index of its 1 KiB, and, where the plane kernel packs
+    its slots, four slots of 256 bytes: 130 KiB of a bucket (385 KiB with four whole slots),
+    not the 648 KiB of a full block; a full block still costs a full block."""
     from nvdcp.gpu.plan import JobColumns
 
-    encoder = _encoder(1 << 30, 512 << 20)
+    encoder = _encoder(1 << 30, 512 << 20, kernel)
     encoder.chunk_bytes, encoder.granule = 1 << 16, 256
     layout = choose_layout(torch.float32, "auto", "gdeflate")
     jobs = [GpuJob("small", torch.empty(256), layout, torch.float32, 0, (256,)),
             GpuJob("block", torch.empty(1 << 16), layout, torch.float32, 0, (1 << 16,))]
     gpu, pinned = encoder._charges(jobs, JobColumns.of(jobs), 1 << 29, 2)
     assert gpu.per_block.tolist() == [4 * (2 * 65536 + 2048) + 2 * 65536] == [663552]
-    assert gpu.whole.tolist() == [663552 - 4 * (65280 + 2040), 663552]
-    assert gpu.whole[0] // 1024 == 385
+    slot_saved = 65280 if kernel else 0
+    assert gpu.whole.tolist() == [663552 - 4 * (65280 + slot_saved + 2040), 663552]
+    assert gpu.whole[0] // 1024 == (130 if kernel else 385)
     assert pinned.whole.tolist() == [4 * 256, 4 * 65536]  # no Zstd plane: bytes, not chunks
 
 
@@ -161,14 +168,17 @@ def _reference_plan(encoder: GpuEncoder, jobs: list[GpuJob]) -> list[list[tuple[
     return [b for b in buckets if b]
 
 
+@pytest.mark.parametrize("kernel", [False, True])
 @pytest.mark.parametrize("codec", ["zstd", "gdeflate"])
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("budget_chunks", [3, 64, 300, 5000])
-def test_the_columnar_plan_is_the_greedy_rule_segment_for_segment(seed: int, budget_chunks: int, codec: str) -> None:
+def test_the_columnar_plan_is_the_greedy_rule_segment_for_segment(seed: int, budget_chunks: int, codec: str,
+                                                                  kernel: bool) -> None:
     """plan_buckets places runs of jobs by binary search: the same buckets and segments as
     placing one job at a time, also with empty jobs after a bucket over its bounds (a budget
-    below one block of a four-plane job) and jobs cut over many buckets."""
-    encoder = _encoder(budget_chunks * C, 512 * C)
+    below one block of a four-plane job) and jobs cut over many buckets; with slots whole and
+    packed."""
+    encoder = _encoder(budget_chunks * C, 512 * C, kernel)
     jobs = _jobs(seed, 400, codec)
     got = [[tuple(seg) for seg in bucket.segments] for bucket in encoder._plan(jobs)]
     assert got == _reference_plan(encoder, jobs)
@@ -198,3 +208,37 @@ def test_the_plan_reads_layouts_after_the_bound_swapped_zstd_out(monkeypatch: py
     for bucket in buckets:
         _, _, keys = encoder._slot_table(bucket)
         assert keys and all(name == "gdeflate" for name, _ in keys), keys
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_slot_layout_puts_rows_first_and_packs_the_kernels_slots_after_them(seed: int) -> None:
+    """SlotLayout.of: the slots of segments the kernel does not take are rows of a chunk in
+    slot order (a segment's rows consecutive, as the torch copies write them); the kernel's
+    follow, each at a granule boundary with its raw bytes rounded up to the granule; no two
+    slots overlap and all lie within ``end``. Without the kernel every slot is a row."""
+    from nvdcp.gpu.encoder import _KernelSplit
+    from nvdcp.gpu.plan import SlotLayout, slot_ranges
+
+    encoder = _encoder(64 * C, 1024 * C, kernel=True)
+    jobs = _jobs(seed, 80, "gdeflate")
+    g = encoder.granule
+    for bucket in encoder._plan(jobs):
+        raw_sizes, _, _ = encoder._slot_table(bucket)
+        packed = _KernelSplit.takes(bucket)
+        layout = SlotLayout.of(bucket, raw_sizes, packed, C, g)
+        covered = slot_ranges(bucket.first_slot, bucket.slot_counts)
+        assert covered.tolist() == list(range(bucket.slots))
+        dense = np.zeros(bucket.slots, dtype=bool)
+        dense[slot_ranges(bucket.first_slot[packed], bucket.slot_counts[packed])] = True
+        assert ((layout.row_of < 0) == dense).all()
+        rows = np.flatnonzero(~dense)
+        assert layout.row_of[rows].tolist() == list(range(len(rows))) and layout.n_rows == len(rows)
+        assert (layout.at[rows] == layout.row_of[rows] * C).all()
+        spans = np.where(dense, -(-raw_sizes // g) * g, C)
+        order = np.argsort(layout.at, kind="stable")
+        ends = layout.at[order] + spans[order]
+        assert (layout.at % g == 0).all() and (ends[:-1] <= layout.at[order][1:]).all()  # no overlaps
+        assert int(ends.max(initial=0)) == layout.end
+        assert layout.end == layout.n_rows * C + int(spans[dense].sum())
+        whole = SlotLayout.of(bucket, raw_sizes, None, C, g)
+        assert not whole.kernel and whole.n_rows == bucket.slots and whole.end == bucket.slots * C

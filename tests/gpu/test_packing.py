@@ -13,7 +13,7 @@ import torch
 from nvdcp.dcp.stager import HostBuffers
 from nvdcp.gpu import encoder as encoder_module
 from nvdcp.gpu.encoder import HostBucket, compaction_plan, granule_for, pack_chunks
-from nvdcp.gpu.plan import Bucket, JobColumns
+from nvdcp.gpu.plan import Bucket, JobColumns, SlotLayout
 from nvdcp.transform import delta as delta_transform
 
 MiB = 1 << 20
@@ -339,7 +339,7 @@ def test_delta_and_kept_jobs_split_in_runs_as_one_segment_at_a_time(
     encoder = object.__new__(GpuEncoder)
     encoder.chunk_bytes = c
     encoder.keep_stream = None  # type: ignore[assignment]  # the CPU: kept bytes on the current stream
-    runs = [[job for job, _ in run] for run in encoder._runs(jobs, bucket)]
+    runs = [[job for job, _ in run] for run in encoder._runs(jobs, bucket, bucket.first_slot)]
     fp32_deltas = [run for run in runs if run[0].delta is not None and run[0].dtype == torch.float32]
     # all seven fp32 deltas held whole in whole blocks (not the one with a tail, not the split one)
     assert sum(map(len, fp32_deltas)) == 7
@@ -349,7 +349,7 @@ def test_delta_and_kept_jobs_split_in_runs_as_one_segment_at_a_time(
     assert [len(run) for run in runs if run[0].key == "keep"] == [2]
     assert not any(job is jobs[7] or job is jobs[13] for run in runs for job in run)
     slots = torch.zeros(bucket.slots, c, dtype=torch.uint8)
-    encoder._split_planes(jobs, bucket, slots)
+    encoder._split_planes(jobs, bucket, slots.view(-1), SlotLayout.rows(bucket.slots, c, kernel=False))
     got_keeps = [j.keep.clone() if j.keep is not None else None for j in jobs]
     for j, base in zip(jobs, bases):  # restore the bases (the kept bytes overwrote them)
         if base is not None:

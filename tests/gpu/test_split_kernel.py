@@ -2,8 +2,9 @@
 GpuEncoder._split_planes: the same slot bytes for jobs of every plane count, one block or
 several, with and without a tail, jobs read by address from tensors of their own dtype and shape
 (as ItemEncoder.gpu_job makes them) or from flat byte views, a job split over two segments and a
-job over the kernel's size bound (torch's). On the device, and on the host under Triton's
-interpreter (no GPU needed; skipped without triton, as in CI)."""
+job over the kernel's size bound (torch's), the kernel's slots packed at the granule. On the
+device, and on the host under Triton's interpreter (no GPU needed; skipped without triton, as in
+CI)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import pytest
 import torch
 
 from nvdcp.gpu import encoder as encoder_module
-from nvdcp.gpu.encoder import GpuEncoder, GpuJob
-from nvdcp.gpu.plan import Bucket, JobColumns
+from nvdcp.gpu.encoder import GpuEncoder, GpuJob, granule_for
+from nvdcp.gpu.plan import Bucket, JobColumns, SlotLayout, slot_ranges
 from nvdcp.pipeline.policy import choose_layout
 from tests.gpu.interpreted import run_interpreted
 
@@ -53,25 +54,34 @@ def _bucket(seed: int, c: int, device: torch.device) -> tuple[list[GpuJob], Buck
 
 
 def check_split(device: torch.device, seed: int, c: int) -> None:
-    """Assert the kernel writes what the torch copies write (the kernel must run here)."""
+    """Assert the kernel, writing the slots of the segments it takes packed at the granule
+    (SlotLayout), puts in every slot the bytes the torch copies put in that slot's row (the
+    kernel must run here)."""
     jobs, bucket = _bucket(seed, c, device)
     encoder = object.__new__(GpuEncoder)
     encoder.chunk_bytes = c
-    fill = torch.from_numpy(np.random.default_rng(seed + 100).integers(0, 256, size=(bucket.slots, c), dtype=np.uint8))
-    fill = fill.to(device)
-    got, want = fill.clone(), fill.clone()
-    assert encoder_module._kernel_splits(got)
-    encoder._split_planes(jobs, bucket, got)
-    saved = encoder_module.split_available
-    encoder_module.split_available = lambda: False  # type: ignore[assignment]
-    try:
-        encoder._split_planes(jobs, bucket, want)
-    finally:
-        encoder_module.split_available = saved
+    assert encoder_module._kernel_splits(device)
+    raw_sizes, _, _ = encoder._slot_table(bucket)
+    packed = encoder_module._KernelSplit.takes(bucket)
+    assert packed.any() and not packed.all()
+    layout = SlotLayout.of(bucket, raw_sizes, packed, c, granule_for(c))
+    rows = SlotLayout.rows(bucket.slots, c, kernel=False)
+    assert layout.kernel and layout.n_rows < bucket.slots and layout.end < rows.end
+    rng = np.random.default_rng(seed + 100)
+    got = torch.from_numpy(rng.integers(0, 256, size=layout.end, dtype=np.uint8)).to(device)
+    want = torch.from_numpy(rng.integers(0, 256, size=rows.end, dtype=np.uint8)).to(device)
+    encoder._split_planes(jobs, bucket, got, layout)
+    encoder._split_planes(jobs, bucket, want, rows)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    assert torch.equal(got, want)
-    assert not torch.equal(got, fill)
+    got_np, want_np = got.cpu().numpy(), want.cpu().numpy()
+    for s in slot_ranges(bucket.first_slot, bucket.slot_counts).tolist():
+        n = int(raw_sizes[s])
+        assert np.array_equal(got_np[layout.at[s] : layout.at[s] + n], want_np[rows.at[s] : rows.at[s] + n]), s
+    # packed slots follow the rows, each its bytes rounded up to the granule
+    dense = layout.row_of < 0
+    assert (layout.at[dense] >= layout.n_rows * c).all() and (layout.at[~dense] < layout.n_rows * c).all()
+    assert layout.end == layout.n_rows * c + int((-(-raw_sizes[dense] // granule_for(c)) * granule_for(c)).sum())
 
 
 @pytest.mark.gpu
