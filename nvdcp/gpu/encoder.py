@@ -650,7 +650,7 @@ class GpuEncoder:
         small: dict[tuple[int, int, int], tuple[list[torch.Tensor], list[int]]] = {}
         kernel = _KernelSplit(c) if layout.kernel else None
         slots = arena[: layout.n_rows * c].view(layout.n_rows, c)
-        row = layout.row_of[bucket.first_slot]  # each segment's first row (-1: packed slots)
+        row = layout.first_rows(bucket)
         for run in self._runs(jobs, bucket, row):
             split_run(run, slots, c, self.keep_stream)
         rest = np.arange(len(bucket))

@@ -173,6 +173,11 @@ class SlotLayout:
     end: int  # bytes all slots take
     kernel: bool  # the plane kernel splits the segments it takes (their slots may be packed)
 
+    def first_rows(self, bucket: Bucket) -> np.ndarray:
+        """Each segment's first row (-1: its slots are packed); an empty segment after the
+        last slot gets the row after the last."""
+        return np.append(self.row_of, self.n_rows)[bucket.first_slot]
+
     @classmethod
     def rows(cls, n_slots: int, chunk_bytes: int, kernel: bool) -> SlotLayout:
         """Every slot a row of ``chunk_bytes``, in slot order."""

@@ -221,6 +221,7 @@ def test_slot_layout_puts_rows_first_and_packs_the_kernels_slots_after_them(seed
 
     encoder = _encoder(64 * C, 1024 * C, kernel=True)
     jobs = _jobs(seed, 80, "gdeflate")
+    jobs.append(GpuJob("empty", torch.empty(0), choose_layout(torch.float32, "gdeflate"), torch.float32, 0, (0,)))
     g = encoder.granule
     for bucket in encoder._plan(jobs):
         raw_sizes, _, _ = encoder._slot_table(bucket)
@@ -240,5 +241,11 @@ def test_slot_layout_puts_rows_first_and_packs_the_kernels_slots_after_them(seed
         assert (layout.at % g == 0).all() and (ends[:-1] <= layout.at[order][1:]).all()  # no overlaps
         assert int(ends.max(initial=0)) == layout.end
         assert layout.end == layout.n_rows * C + int(spans[dense].sum())
+        # each segment's first row, also for an empty job after the bucket's last slot (the
+        # first packed version indexed past the end there: an IndexError on the H100)
+        first = layout.first_rows(bucket)
+        held = bucket.slot_counts > 0
+        assert (first[held] == layout.row_of[bucket.first_slot[held]]).all()
+        assert (first[bucket.first_slot == bucket.slots] == layout.n_rows).all()
         whole = SlotLayout.of(bucket, raw_sizes, None, C, g)
         assert not whole.kernel and whole.n_rows == bucket.slots and whole.end == bucket.slots * C

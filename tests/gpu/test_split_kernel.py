@@ -50,6 +50,9 @@ def _bucket(seed: int, c: int, device: torch.device) -> tuple[list[GpuJob], Buck
             slots += 1  # an untouched row between segments
             segments.append((j, first, n, slots))
             slots += n * job.n_planes
+    # an empty tensor last: its segment starts after the last slot
+    jobs.append(GpuJob("empty", torch.empty(0, device=device), choose_layout(torch.float32, "zstd"), torch.float32, 0, (0,)))
+    segments.append((len(jobs) - 1, 0, 0, slots))
     return jobs, Bucket.of(JobColumns.of(jobs), segments, slots)
 
 
