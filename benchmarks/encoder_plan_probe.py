@@ -21,6 +21,7 @@ import torch
 
 from benchmarks.common import write_results
 from nvdcp.gpu import encoder as gpu_encoder
+from nvdcp.gpu.nvcomp_codecs import CodecCache
 from nvdcp.gpu.plan import SlotLayout
 from nvdcp.pipeline.policy import choose_layout
 
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     enc = object.__new__(gpu_encoder.GpuEncoder)
     enc.chunk_bytes, enc.granule, enc.bound = 65536, gpu_encoder.granule_for(65536), None
     enc.bucket_budget, enc.pinned_bytes, enc.keep_stream = 1 << 30, 512 << 20, None
-    enc.kernel_splits = True
+    enc.kernel_splits, enc.codecs = True, CodecCache(65536, 0)
     jobs = _jobs(args.items)
     buckets = enc._plan(jobs)
 

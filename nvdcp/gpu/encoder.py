@@ -39,7 +39,7 @@ from nvdcp.gpu import crc32c
 from nvdcp.gpu.bound import WORKSPACE_CODECS, SaveBound, fit_scratch
 from nvdcp.gpu.merge import PLANE_COUNTS, merge_table, split_available, split_rows
 from nvdcp.gpu.nvcomp_batch import WORKSPACES, BatchResult, NvcompCallError, side_streams_on
-from nvdcp.gpu.nvcomp_codecs import CodecCache
+from nvdcp.gpu.nvcomp_codecs import CodecCache, typed_data_type
 from nvdcp.gpu.pinned import PinnedPool
 from nvdcp.gpu.plan import Bucket, Charges, JobColumns, Segment, SlotLayout, plan_buckets
 from nvdcp.pipeline.cpu import EncodedItem, layout_codec_ids
@@ -542,14 +542,22 @@ class GpuEncoder:
         """Slots of a bucket when ``depth`` buckets share the pinned budget."""
         return max(16 * 16, self.pinned_bytes // max(2, depth) // self.chunk_bytes)
 
+    def output_slot_bytes(self, name: str, data_type: str | None) -> int:
+        """An nvCOMP output slot of codec ``name`` in a bucket's arena: the library's bound for
+        one chunk, rounded up to the granule. GDeflate's is just over two 64 KiB chunks; at 1
+        KiB chunks ANS's is 3.5 chunks and Bitcomp's 8 (nvCOMP 6)."""
+        cap = self.codecs.get(name, data_type).max_output
+        return -(-cap // self.granule) * self.granule
+
     def _block_cost(self, job: GpuJob) -> int:
         c = self.chunk_bytes
-        compressed = sum(name != "none" for name in job.layout.plane_codecs)
         # per plane: its slot, its packed copy and the gather index (8 bytes per granule);
-        # per compressed plane: nvCOMP's output slot (its bound is up to two chunks); a delta:
-        # the base's bytes on the device and the XOR
+        # per compressed plane: nvCOMP's output slot; a delta: the base's bytes on the device
+        # and the XOR
+        outputs = sum(self.output_slot_bytes(name, typed_data_type(name, job.dtype))
+                      for name in job.layout.plane_codecs if name != "none")
         delta = 2 * job.n_planes * c if job.delta is not None else 0
-        return job.n_planes * (2 * c + 8 * c // self.granule) + compressed * 2 * c + delta
+        return job.n_planes * (2 * c + 8 * c // self.granule) + outputs + delta
 
     def _bucket_budget(self, jobs: list[GpuJob], depth: int) -> int:
         """A bucket's share of the scratch (two are in flight), within the user's bound if any
@@ -574,8 +582,9 @@ class GpuEncoder:
         where they, not the chunk size, set the memory: its packed copy, gather index and a
         delta's temporaries hold the block's bytes rounded up to the granule, and so do its
         slots when the plane kernel splits the job (packed: :class:`~nvdcp.gpu.plan.SlotLayout`);
-        nvCOMP's output slots stay whole. A 1 KiB fp32 tensor then costs 130 KiB of a bucket
-        (385 KiB with its slots whole, 648 KiB as a full block; 64 KiB chunks).
+        nvCOMP's output slots stay whole (:meth:`output_slot_bytes`). A 1 KiB fp32 tensor then
+        costs 130 KiB of a bucket (385 KiB with its slots whole, 648 KiB as a full block; 64 KiB
+        chunks, GDeflate).
 
         Pinned: a bucket's stored chunks, each at most its raw bytes rounded up to the granule, so
         a small tensor charges its bytes, not a chunk per plane: 100,000 small tensors at the
@@ -732,10 +741,9 @@ class GpuEncoder:
         layout = SlotLayout.of(bucket, raw_sizes, _KernelSplit.takes(bucket) if self.kernel_splits else None, c, g)
         groups, end = [], layout.end
         for kid, (name, data_type) in enumerate(keys):
-            cap = self.codecs.get(name, data_type).max_output
             ids = np.flatnonzero(slot_key == kid)
             base = -(-end // MAX_GRANULE) * MAX_GRANULE  # nvCOMP's outputs start aligned, whatever c is
-            groups.append(_Group(ids, base, -(-cap // g) * g))
+            groups.append(_Group(ids, base, self.output_slot_bytes(name, data_type)))
             end = base + len(ids) * groups[-1].cap
         with torch.cuda.stream(stream):
             arena = torch.empty(max(end, g), dtype=torch.uint8, device=self.device)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from nvdcp.gpu.encoder import GpuEncoder, GpuJob, granule_for
+from nvdcp.gpu.nvcomp_codecs import CodecCache
 from nvdcp.pipeline.policy import choose_layout
 
 C = 1024
@@ -20,6 +21,7 @@ def _encoder(budget: int, pinned: int, kernel: bool = False) -> GpuEncoder:
     encoder = object.__new__(GpuEncoder)
     encoder.chunk_bytes, encoder.granule, encoder.bound = C, granule_for(C), None
     encoder.bucket_budget, encoder.pinned_bytes, encoder.kernel_splits = budget, pinned, kernel
+    encoder.codecs = CodecCache(C, 0)  # nvCOMP's output bounds (host calls: no GPU needed)
     return encoder
 
 
@@ -41,7 +43,7 @@ def _whole_charges(encoder: GpuEncoder, jobs: list[GpuJob]) -> tuple[list[int], 
     """Each job's charges held whole, one job at a time. GPU: its full blocks at the block cost;
     its last block's packed copy, gather index (and a delta's base and XOR; and its slots, when
     the encoder's plane kernel packs them: every non-empty job here) by that block's bytes
-    rounded up to the granule, its output slot whole chunks. Pinned: a chunk per slot when a
+    rounded up to the granule, its output slots as nvCOMP bounds them. Pinned: a chunk per slot when a
     Zstd plane is in the save, else its bytes rounded up to the granule per plane."""
     g = encoder.granule
     whole_chunks = any("zstd" in job.layout.plane_codecs for job in jobs)
@@ -114,21 +116,23 @@ def test_small_tensors_without_zstd_fill_buckets_past_the_slot_bound() -> None:
 
 @pytest.mark.parametrize("kernel", [False, True])
 def test_a_small_tensor_costs_its_bytes_not_whole_chunks_where_they_are_its_bytes(kernel: bool) -> None:
-    """A 1 KiB fp32 tensor (64 KiB chunks, GPU auto layout): one nvCOMP output slot of two
-    chunks, but a packed copy and gather index of its 1 KiB, and, where the plane kernel packs
-    its slots, four slots of 256 bytes: 130 KiB of a bucket (385 KiB with four whole slots),
-    not the 648 KiB of a full block; a full block still costs a full block."""
+    """A 1 KiB fp32 tensor (64 KiB chunks, GPU auto layout): one GDeflate output slot (nvCOMP's
+    bound for a 64 KiB chunk, 131,360 bytes, in 514 granules), but a packed copy and gather index
+    of its 1 KiB, and, where the plane kernel packs its slots, four slots of 256 bytes: 130 KiB of
+    a bucket (385 KiB with four whole slots), not the 648 KiB of a full block; a full block
+    still costs a full block."""
     from nvdcp.gpu.plan import JobColumns
 
     encoder = _encoder(1 << 30, 512 << 20, kernel)
-    encoder.chunk_bytes, encoder.granule = 1 << 16, 256
+    encoder.chunk_bytes, encoder.granule, encoder.codecs = 1 << 16, 256, CodecCache(1 << 16, 0)
     layout = choose_layout(torch.float32, "auto", "gdeflate")
     jobs = [GpuJob("small", torch.empty(256), layout, torch.float32, 0, (256,)),
             GpuJob("block", torch.empty(1 << 16), layout, torch.float32, 0, (1 << 16,))]
     gpu, pinned = encoder._charges(jobs, JobColumns.of(jobs), 1 << 29, 2)
-    assert gpu.per_block.tolist() == [4 * (2 * 65536 + 2048) + 2 * 65536] == [663552]
+    assert encoder.output_slot_bytes("gdeflate", None) == 514 * 256
+    assert gpu.per_block.tolist() == [4 * (2 * 65536 + 2048) + 514 * 256] == [664064]
     slot_saved = 65280 if kernel else 0
-    assert gpu.whole.tolist() == [663552 - 4 * (65280 + slot_saved + 2040), 663552]
+    assert gpu.whole.tolist() == [664064 - 4 * (65280 + slot_saved + 2040), 664064]
     assert gpu.whole[0] // 1024 == (130 if kernel else 385)
     assert pinned.whole.tolist() == [4 * 256, 4 * 65536]  # no Zstd plane: bytes, not chunks
 
@@ -249,3 +253,27 @@ def test_slot_layout_puts_rows_first_and_packs_the_kernels_slots_after_them(seed
         assert (first[bucket.first_slot == bucket.slots] == layout.n_rows).all()
         whole = SlotLayout.of(bucket, raw_sizes, None, C, g)
         assert not whole.kernel and whole.n_rows == bucket.slots and whole.end == bucket.slots * C
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+@pytest.mark.parametrize("seed", range(3))
+def test_a_buckets_charge_covers_what_its_launch_allocates(seed: int, kernel: bool) -> None:
+    """What GpuEncoder._launch and _to_host allocate for a bucket of plain jobs stays within
+    the GPU charge the plan gave it: the slots where SlotLayout puts them, an nvCOMP output slot
+    (its bound for one chunk, 2.28 chunks for GDeflate at 1 KiB) per compressed slot, the
+    packed copy (each slot's bytes rounded up to the granule at most) and its gather index."""
+    from nvdcp.gpu.encoder import _KernelSplit
+    from nvdcp.gpu.plan import SlotLayout
+
+    encoder = _encoder(300 * C, 1024 * C, kernel)
+    g = encoder.granule
+    jobs = _jobs(seed, 200, "gdeflate")
+    for bucket in encoder._plan(jobs):
+        raw_sizes, slot_key, keys = encoder._slot_table(bucket)
+        layout = SlotLayout.of(bucket, raw_sizes, _KernelSplit.takes(bucket) if kernel else None, C, g)
+        packed = int((-(-raw_sizes // g) * g).sum())
+        outputs = sum(int((slot_key == k).sum()) * encoder.output_slot_bytes(*key) for k, key in enumerate(keys))
+        allocated = layout.end + outputs + packed + packed // g * 8
+        assert allocated <= bucket.cost, (allocated, bucket.cost)
+        if kernel and bucket.slots:
+            assert layout.n_rows < bucket.slots  # the kernel's slots were packed
