@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from nvdcp.cores import usable_cores
 from nvdcp.dcp import descriptor
 from nvdcp.dcp.any_metadata import load_any_metadata
 from nvdcp.dcp.collector import collector_paused
@@ -217,7 +218,7 @@ class NvcompReader(StorageReader):
         **fsspec_options: Any,
     ) -> None:
         super().__init__()
-        cores = os.cpu_count() or 1
+        cores = usable_cores()
         self.thread_count = thread_count or min(DEFAULT_MAX_THREADS, cores)
         if self.thread_count < 1:
             raise ValueError(f"thread_count must be >= 1, got {thread_count}")

@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from nvdcp.codecs import codec_name
+from nvdcp.cores import usable_cores
 from nvdcp.dcp import descriptor
 from nvdcp.dcp.collector import collector_paused
 from nvdcp.dcp.commit import (
@@ -142,7 +143,7 @@ def auto_file_count(storage: Storage, nbytes: int) -> int:
     """Data files a rank writes in parallel when ``thread_count`` is left at None."""
     if not isinstance(storage, LocalStorage):
         return 1  # S3 and fsspec: one stream per rank (their own uploads run in parallel)
-    cap = min(AUTO_MAX_FILES, os.cpu_count() or 1)
+    cap = min(AUTO_MAX_FILES, usable_cores())
     return max(1, min(cap, math.ceil(nbytes / AUTO_FILE_BYTES)))
 
 

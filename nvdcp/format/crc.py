@@ -20,6 +20,7 @@ import crc32c
 import numpy as np
 
 from nvdcp._native import load_function
+from nvdcp.cores import usable_cores
 
 logger = logging.getLogger(__name__)
 
@@ -44,15 +45,10 @@ def _native() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     return fn
 
 
-@functools.cache
 def _default_threads() -> int:
-    """The cores this process may run on (affinity, not the machine's count), at most 16: the
+    """The cores this rank may use (:func:`nvdcp.cores.usable_cores`), at most 16: the
     checksums are memory-bound well before that, and may run next to training."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, min(16, cores))
+    return min(16, usable_cores())
 
 
 def native_available() -> bool:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from nvdcp.codecs import GPU_ONLY
+from nvdcp.cores import usable_cores
 from nvdcp.format.header import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 from nvdcp.pipeline.policy import validate_codec_choice
 
@@ -19,7 +19,8 @@ class EncodeConfig:
             (``"zstd"``, ``"gdeflate"``, ``"none"``; ``"ans"``/``"bitcomp"`` need a GPU to save
             and to load).
         chunk_bytes: uncompressed bytes per independently compressed chunk (1 KiB..64 KiB).
-        codec_threads: CPU threads compressing chunks (``None``: all cores).
+        codec_threads: CPU threads compressing chunks (``None``: the cores this rank may use,
+            :func:`nvdcp.cores.usable_cores`).
 
     Raises:
         UnknownCodecError: ``codec`` names no codec (a ``ValueError``).
@@ -40,7 +41,7 @@ class EncodeConfig:
     @property
     def threads(self) -> int:
         """CPU codec threads to run (``codec_threads`` or every core)."""
-        return self.codec_threads or os.cpu_count() or 1
+        return self.codec_threads or usable_cores()
 
     @property
     def gpu_only(self) -> bool:

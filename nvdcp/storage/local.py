@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from nvdcp.cores import usable_cores
 from nvdcp.errors import (
     MissingDataFileError,
     NotACheckpointDirectoryError,
@@ -42,7 +43,7 @@ _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 102
 #: ext4 and XFS buffered I/O; they still gain where the file system allows them in parallel.)
 PARALLEL_MIN_BYTES = 8 << 20
 PARALLEL_SLICE_BYTES = 4 << 20
-IO_THREADS = max(1, min(8, os.cpu_count() or 1))
+IO_THREADS = max(1, min(8, usable_cores()))
 
 _io_pool: ThreadPoolExecutor | None = None
 _io_pool_lock = threading.Lock()

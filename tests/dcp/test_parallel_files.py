@@ -24,6 +24,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import nvdcp
+from nvdcp.cores import usable_cores
 from nvdcp.dcp import writer as writer_mod
 from nvdcp.format.digest import digest_of_record_header, read_digests
 from nvdcp.format.header_batch import HeaderFields
@@ -275,7 +276,7 @@ def test_a_failing_cpu_item_fails_the_save_without_hanging(tmp_path: Path) -> No
 
 def test_thread_count_none_picks_files_by_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     local = LocalStorage(tmp_path / "x", sync=False)
-    cores = min(writer_mod.AUTO_MAX_FILES, os.cpu_count() or 1)
+    cores = min(writer_mod.AUTO_MAX_FILES, usable_cores())
     assert writer_mod.auto_file_count(local, 0) == 1
     assert writer_mod.auto_file_count(local, writer_mod.AUTO_FILE_BYTES) == 1
     assert writer_mod.auto_file_count(local, 100 * writer_mod.AUTO_FILE_BYTES) == cores

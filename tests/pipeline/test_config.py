@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 
 import nvdcp
+from nvdcp import cores
+from nvdcp.cores import usable_cores
 from nvdcp.format.header import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 from nvdcp.pipeline.config import EncodeConfig
 
@@ -64,13 +65,21 @@ def test_codec_threads_below_one(threads: int) -> None:
         EncodeConfig(codec_threads=threads)
 
 
-def test_threads_default_is_every_core() -> None:
-    assert EncodeConfig().threads == (os.cpu_count() or 1)
+def test_threads_default_is_the_ranks_cores() -> None:
+    assert EncodeConfig().threads == usable_cores()
 
 
-def test_threads_default_without_cpu_count(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(os, "cpu_count", lambda: None)
-    assert EncodeConfig().threads == 1
+def test_threads_default_shares_the_cores_with_local_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ranks on this host's cores: each sizes its codec pool for half of them."""
+    alone = usable_cores()
+    if alone < 2 or cores.pinned_alone():
+        pytest.skip("one core, or this process pinned to its own cores: nothing to share")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    usable_cores.cache_clear()
+    try:
+        assert EncodeConfig().threads <= -(-alone // 2)
+    finally:
+        usable_cores.cache_clear()
 
 
 def test_threads_explicit() -> None:
