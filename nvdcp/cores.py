@@ -9,8 +9,8 @@
   ranks each sizing their pools by the whole machine run eight times as many threads as cores.
 
 :func:`usable_cores` takes all three into account. The standard library has the affinity
-(``os.sched_getaffinity``) but nothing for cgroups, and no chosen dependency reads them, hence
-the few lines here.
+(``os.sched_getaffinity``) but nothing for cgroups, and no chosen dependency reads them: hence
+this module.
 """
 
 from __future__ import annotations
