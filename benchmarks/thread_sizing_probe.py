@@ -1,0 +1,81 @@
+"""What sizing the CPU encoder for more cores than the process has costs (``nvdcp.cores``).
+
+    python -m benchmarks.thread_sizing_probe [--sizes 1,8,32] [--rounds 3] [--out DIR]
+
+A pod with ``limits.cpu: 16`` on a 192-core node, or eight torchrun ranks on one host, used to
+size every pool by ``os.cpu_count()``. This encodes ``cpu_pipeline_bench``'s 20,000 small
+tensors (host memory) as a save's codec threads do: batches of small items on a pool of N
+workers, each batch's native calls spread over N threads, with N = ``usable_cores()`` times
+each ``--sizes`` factor (1: today's default), rounds alternating. Prints and records the
+seconds per size (medians). Writes ``benchmarks/results/thread_sizing_probe_<date>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from benchmarks.common import write_results
+
+
+def _batches(tensors: list[Any], batch_bytes: int, batch_items: int) -> list[list[Any]]:
+    """The tensors in the encoder's small-item batches (``SMALL_BATCH_BYTES`` / ``_ITEMS``)."""
+    batches: list[list[Any]] = [[]]
+    nbytes = 0
+    for t in tensors:
+        batches[-1].append(t)
+        nbytes += t.nbytes
+        if nbytes >= batch_bytes or len(batches[-1]) >= batch_items:
+            batches.append([])
+            nbytes = 0
+    return [b for b in batches if b]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="1,8,32", help="pool sizes as multiples of usable_cores()")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--items", type=int, default=20_000)
+    ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    ap.add_argument("--suffix", default="")
+    args = ap.parse_args(argv)
+
+    from benchmarks.cpu_pipeline_bench import small_state
+    from nvdcp.cores import usable_cores
+    from nvdcp.pipeline import cpu_batch
+    from nvdcp.pipeline.encoder import SMALL_BATCH_BYTES, SMALL_BATCH_ITEMS, _dtype_codes
+    from nvdcp.pipeline.policy import choose_layout
+
+    cores = usable_cores()
+    batches = _batches(list(small_state(args.items).values()), SMALL_BATCH_BYTES, SMALL_BATCH_ITEMS)
+    layout_of = functools.partial(choose_layout, codec="auto")
+
+    def encode(batch: list[Any], threads: int) -> None:
+        keys = list(range(len(batch)))
+        cpu_batch.encode_tensor_batches(batch, keys, _dtype_codes(batch, keys, str), layout_of, 64 << 10, threads)
+
+    sizes = [cores * int(f) for f in args.sizes.split(",")]
+    seconds: dict[int, list[float]] = {n: [] for n in sizes}
+    for rnd in range(args.rounds):
+        for n in sizes if rnd % 2 == 0 else sizes[::-1]:
+            with ThreadPoolExecutor(n) as pool:
+                t0 = time.perf_counter()
+                list(pool.map(functools.partial(encode, threads=n), batches))
+                seconds[n].append(time.perf_counter() - t0)
+    base = statistics.median(seconds[sizes[0]])
+    rows = []
+    for n, runs in seconds.items():
+        median = statistics.median(runs)
+        rows.append({"threads": n, "median_s": median, "vs_usable": median / base, "runs": runs})
+        print(f"sized for {n:4d} cores (usable {cores}): {median:.3f} s, {median / base:.2f}x")
+    target = write_results("thread_sizing_probe", {"usable_cores": cores, "batches": len(batches), "rows": rows},
+                           args.out, args.suffix)
+    print(f"-> {target}")
+
+
+if __name__ == "__main__":
+    main()
