@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from nvdcp.cores import usable_cores
 from nvdcp.codecs import GPU_ONLY, cpu_codec
 from nvdcp.errors import CodecUnavailableError, CorruptCheckpointError
 from nvdcp.format.header import DEFAULT_CHUNK_BYTES
@@ -281,7 +282,7 @@ def run_bench(
         raise CodecUnavailableError("--gpu needs CUDA and nvidia-libnvcomp-cu12; neither is usable here")
     wanted = codecs or list(dict.fromkeys([*CPU_CODECS, *(GPU_CODECS if use_gpu else ())]))
     result = BenchResult(source)
-    pool = ThreadPoolExecutor(threads or os.cpu_count() or 1, thread_name_prefix="nvdcp-bench")
+    pool = ThreadPoolExecutor(threads or usable_cores(), thread_name_prefix="nvdcp-bench")
     runners: list[Any] = []
     for codec in wanted:
         if codec in CPU_CODECS:
