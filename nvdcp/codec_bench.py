@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from nvdcp.cores import usable_cores
 from nvdcp.codecs import GPU_ONLY, cpu_codec
+from nvdcp.cores import usable_cores
 from nvdcp.errors import CodecUnavailableError, CorruptCheckpointError
 from nvdcp.format.header import DEFAULT_CHUNK_BYTES
 from nvdcp.gpu import gpu_available
