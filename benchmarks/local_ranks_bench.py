@@ -25,6 +25,7 @@ import socket
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -104,6 +105,21 @@ def run_once(case: str, ranks: int, local: int, path: str) -> dict[str, Any]:
     }
 
 
+def _summary(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per setting: the medians over its rounds."""
+    return {
+        s: {"save_s": statistics.median(r["save_s"] for r in rows), "load_s": statistics.median(r["load_s"] for r in rows),
+            "cores_per_rank": rows[0]["cores_per_rank"], "bit_exact": all(r["bit_exact"] for r in rows)}
+        for s, rows in runs.items() if rows
+    }
+
+
+def _record(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]]) -> Path:
+    return write_results("local_ranks_bench", {
+        "case": args.case, "ranks": args.ranks, "rounds": args.rounds, "summary": _summary(runs), "runs": runs,
+    }, args.out, args.suffix)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, default=2)
@@ -124,20 +140,15 @@ def main(argv: list[str] | None = None) -> None:
             runs[setting].append(row)
             print(f"round {rnd} {setting}: save {row['save_s']:.3f} s, load {row['load_s']:.3f} s, "
                   f"{row['cores_per_rank']} cores a rank, bit-exact {row['bit_exact']}", flush=True)
-    summary = {
-        s: {"save_s": statistics.median(r["save_s"] for r in rows), "load_s": statistics.median(r["load_s"] for r in rows),
-            "cores_per_rank": rows[0]["cores_per_rank"], "bit_exact": all(r["bit_exact"] for r in rows)}
-        for s, rows in runs.items()
-    }
+        _record(args, runs)  # after every round: a run cut short keeps what it measured
+    summary = _summary(runs)
     for s, row in summary.items():
         print(f"{s}: save {row['save_s']:.3f} s, load {row['load_s']:.3f} s (medians; {row['cores_per_rank']} cores a rank)")
     first = summary[f"local={locals_[0]}"]
     for s, row in summary.items():
         print(f"{s} / local={locals_[0]}: save {row['save_s'] / first['save_s']:.3f}x, "
               f"load {row['load_s'] / first['load_s']:.3f}x")
-    target = write_results("local_ranks_bench", {
-        "case": args.case, "ranks": args.ranks, "rounds": args.rounds, "summary": summary, "runs": runs,
-    }, args.out, args.suffix)
+    target = _record(args, runs)
     print(f"-> {target}")
 
 
