@@ -19,6 +19,7 @@ load checked bit-exact. Writes ``benchmarks/results/local_ranks_bench_<date>.jso
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import shutil
 import socket
@@ -49,7 +50,7 @@ def _rank(rank: int, world: int, port: int, case: str, path: str, local: int, ou
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        state = _share(WORKLOADS[case](), rank, world)
+        state = _rank_state(WORKLOADS[case], rank, world)
         target = zeros_like_state(state)
         dist.barrier()
         t0 = time.perf_counter()
@@ -64,6 +65,16 @@ def _rank(rank: int, world: int, port: int, case: str, path: str, local: int, ou
         out.put({"rank": rank, "save_s": save_s, "load_s": load_s, "bit_exact": exact, "cores": usable_cores()})
     finally:
         dist.destroy_process_group()
+
+
+def _rank_state(workload: Any, rank: int, world: int) -> dict[str, Any]:
+    """Rank ``rank``'s part of a workload: a workload that takes a ``count`` (``small``,
+    ``moe``) is built at ``count / world`` items from the rank's own seed, so no rank generates
+    (and holds) the whole state; any other is built whole and shared out (:func:`_share`)."""
+    params = inspect.signature(workload).parameters
+    if "count" in params:
+        return _share(workload(count=params["count"].default // world, seed=rank), rank, 1)
+    return _share(workload(), rank, world)
 
 
 def _share(state: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
@@ -140,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
             runs[setting].append(row)
             print(f"round {rnd} {setting}: save {row['save_s']:.3f} s, load {row['load_s']:.3f} s, "
                   f"{row['cores_per_rank']} cores a rank, bit-exact {row['bit_exact']}", flush=True)
-        _record(args, runs)  # after every round: a run cut short keeps what it measured
+            _record(args, runs)  # after every run: a run cut short keeps what it measured
     summary = _summary(runs)
     for s, row in summary.items():
         print(f"{s}: save {row['save_s']:.3f} s, load {row['load_s']:.3f} s (medians; {row['cores_per_rank']} cores a rank)")
