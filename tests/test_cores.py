@@ -89,3 +89,29 @@ def test_a_process_under_torchrun_shares_the_host() -> None:
     if alone >= 2 and not cores.pinned_alone():
         assert 1 <= _usable_cores_with({"LOCAL_WORLD_SIZE": "2"}) <= -(-alone // 2)
     assert _usable_cores_with({"LOCAL_WORLD_SIZE": "not a number"}) == alone
+
+
+def _writable_cpu_cgroup_v1() -> Path | None:
+    root = Path("/sys/fs/cgroup/cpu")
+    return root if (root / "cpu.cfs_quota_us").exists() and os.access(root, os.W_OK) else None
+
+
+@pytest.mark.skipif(_writable_cpu_cgroup_v1() is None, reason="needs a writable cgroup v1 cpu hierarchy (root)")
+def test_a_real_cpu_quota_caps_a_process(tmp_path: Path) -> None:
+    """A process moved into a real cgroup with a one-CPU quota sizes its pools for one core."""
+    if _usable_cores_with({"LOCAL_WORLD_SIZE": "1"}) < 2:
+        pytest.skip("one core: a one-CPU quota changes nothing")
+    root = _writable_cpu_cgroup_v1()
+    assert root is not None
+    group = root / f"nvdcp-test-{os.getpid()}"
+    group.mkdir()
+    try:
+        (group / "cpu.cfs_period_us").write_text("100000")
+        (group / "cpu.cfs_quota_us").write_text("100000")
+        code = "from nvdcp.cores import usable_cores; print(usable_cores())"
+        script = f'echo $$ > {group}/cgroup.procs && exec "{sys.executable}" -c "{code}"'
+        out = subprocess.run(["sh", "-c", script], env={**os.environ, "LOCAL_WORLD_SIZE": "1"},
+                             capture_output=True, text=True, check=True, timeout=60)
+        assert int(out.stdout) == 1
+    finally:
+        group.rmdir()
