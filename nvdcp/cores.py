@@ -41,17 +41,22 @@ def usable_cores() -> int:
 def pinned_alone() -> bool:
     """Whether this process may run on fewer cores than its container (or the machine) has:
     pinned to cores of its own, which it need not share with the other local ranks."""
-    return _affinity() < (_own_limits().cpuset or os.cpu_count() or 1)
+    return _pinned(_affinity(), os.cpu_count() or 1, _own_limits())
 
 
 def cores_for(affinity: int, machine: int, local_ranks: int, limits: CgroupLimits) -> int:
     """:func:`usable_cores` from what it reads: ``affinity`` cores to run on, ``machine``
     cores online, ``local_ranks`` ranks on this host, and the cgroup's ``limits``."""
-    shared = limits.cpuset or machine  # the cores every rank of the container may use
-    cores = affinity if affinity < shared else affinity // local_ranks
+    cores = affinity if _pinned(affinity, machine, limits) else affinity // local_ranks
     if limits.quota is not None:
         cores = min(cores, math.ceil(limits.quota / local_ranks))
     return max(1, cores)
+
+
+def _pinned(affinity: int, machine: int, limits: CgroupLimits) -> bool:
+    """Fewer cores to run on than the container's cpuset (or the machine) has, which every
+    rank in it may use: this rank was pinned on its own."""
+    return affinity < (limits.cpuset or machine)
 
 
 @dataclass(frozen=True)
