@@ -324,6 +324,12 @@ def run_group(path: str | os.PathLike[str], seed: int, stop: dict[str, Any] | No
     ]
     for p in procs:
         p.start()
+    return join_within(procs, timeout)
+
+
+def join_within(procs: list[Any], timeout: float) -> list[int | None]:
+    """Wait up to ``timeout`` seconds in all for started ``procs``; returns their exit codes,
+    None for one still running then (it is killed)."""
     deadline = time.monotonic() + timeout
     codes: list[int | None] = []
     for p in procs:

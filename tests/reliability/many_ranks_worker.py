@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 import nvdcp
 from nvdcp.demo.teardown import release_dtensor_caches
 from nvdcp.testing import bit_equal, random_tensor, weights_like
-from nvdcp.testing.faults import Stopper, StoppingWriter
+from nvdcp.testing.faults import Stopper, StoppingWriter, join_within
 from tests._dist import free_port
 
 #: Collectives give up after this long (a rank that died leaves its peers waiting at most this).
@@ -166,17 +166,7 @@ def zygote(conn: Any) -> None:
         procs = [fork.Process(target=entry, args=(r, world, port, out, phase, args)) for r in range(world)]
         for p in procs:
             p.start()
-        deadline = time.monotonic() + deadline_s
-        codes: list[int | None] = []
-        for p in procs:
-            p.join(max(0.1, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-                p.join()
-                codes.append(None)
-            else:
-                codes.append(p.exitcode)
-        conn.send(codes)
+        conn.send(join_within(procs, deadline_s))
 
 
 def entry(rank: int, world: int, port: int, out: str, phase: str, args: dict[str, Any]) -> None:
