@@ -517,11 +517,13 @@ SMALL_ITEM_THREADS = 2
 
 #: A batch of small items: one pool task of about this many bytes, or this many items. A batch's
 #: Python (a few dozen array calls, header fields per item) holds the GIL, which a save of many
-#: small tensors is bound by; larger batches pay it less often. CPU machine, 20,000 small host
-#: tensors on /dev/shm, nine rounds alternating: 16 MiB / 1,024 items 3.03 s, 8 MiB / 512 3.05 s,
-#: 4 MiB / 256 3.28 s (medians; forty-first session, docs/BENCHMARKS.md).
-SMALL_BATCH_BYTES = 16 << 20
-SMALL_BATCH_ITEMS = 1024
+#: small tensors is bound by; larger batches pay it less often, and hold more memory (the window's
+#: batches: a save's extra RSS was 43-84 MiB at 16 MiB batches against about 0 at 4 MiB). CPU
+#: machine, 20,000 small host tensors on /dev/shm, nine rounds alternating: 16 MiB / 1,024 items
+#: 3.03 s, 8 MiB / 512 3.05 s, 4 MiB / 256 3.28 s (medians); ``code_ab``, 8 MiB / 512 against
+#: 4 MiB / 256: save 0.888x (forty-first session, docs/BENCHMARKS.md).
+SMALL_BATCH_BYTES = 8 << 20
+SMALL_BATCH_ITEMS = 512
 
 
 def _nbytes(data: ItemData) -> int:
