@@ -98,6 +98,28 @@ class _FilePrefix:
     save_id: str = ""
 
 
+class _WrittenPrefixes:
+    """File prefixes this process has written data files under (the most recent ones)."""
+
+    def __init__(self, keep: int = 4096) -> None:
+        self._seen: dict[str, None] = {}
+        self._keep = keep
+        self._lock = threading.Lock()
+
+    def first_use(self, prefix: str) -> bool:
+        """Record ``prefix``; whether no save of this process wrote under it before."""
+        with self._lock:
+            if prefix in self._seen:
+                return False
+            self._seen[prefix] = None
+            if len(self._seen) > self._keep:
+                del self._seen[next(iter(self._seen))]
+            return True
+
+
+_WRITTEN_PREFIXES = _WrittenPrefixes()
+
+
 def _item_nbytes(item: WriteItem) -> int:
     if item.tensor_data is None:
         return 0
@@ -382,7 +404,7 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
 
     @collector_paused
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        prefix: _FilePrefix = plan.storage_data
+        prefix = self._prefix_of_this_save(plan.storage_data)
         started = time.perf_counter()
         report = Report("save", self.storage.url)
         # The caller's stream: GPU compression must not read tensors before it has written them.
@@ -411,6 +433,30 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
+
+    def _prefix_of_this_save(self, prefix: _FilePrefix) -> _FilePrefix:
+        """The plan's file prefix, or a new one for this rank where the plan is an earlier save's.
+
+        A planner that caches plans (``DefaultSavePlanner(enable_plan_caching=True)``) hands
+        ``write_data`` the final plan of the save that filled its cache, prefix included: this
+        save would write that save's data file names again, in place in the same location (a
+        crash midway would leave its checkpoint pointing at half-written files). Such a save
+        names its files itself, per rank, as a save without collectives does. A delta save is
+        refused: the cached plan carries the earlier save's base decision, not this one's.
+        """
+        if _WRITTEN_PREFIXES.first_use(prefix.prefix):
+            return prefix
+        if prefix.base is not None or self.delta is not None or self.base is not None:
+            raise ValueError(
+                f"NvcompWriter({self.path!r}): this save's plan is an earlier save's (its data files "
+                f"{prefix.prefix}*{DATA_SUFFIX} were written before): the planner caches plans "
+                "(DefaultSavePlanner(enable_plan_caching=True)), and a delta save (delta= or base=) "
+                "needs this save's own plan, which carries its base. Pass enable_plan_caching=False"
+            )
+        fresh = _FilePrefix(f"__{self.rank}_{uuid.uuid4().hex[:12]}_", None, self.save_id)
+        _WRITTEN_PREFIXES.first_use(fresh.prefix)
+        logger.debug("rank %d: cached plan; data files named %s*", self.rank, fresh.prefix)
+        return fresh
 
     def _delta_for(self, prefix: _FilePrefix) -> DeltaSave | None:
         """This rank's delta bookkeeping for the save (None: no base and nothing to keep)."""
