@@ -434,24 +434,25 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
         fut.set_result(results)
         return fut
 
-    def _prefix_of_this_save(self, prefix: _FilePrefix) -> _FilePrefix:
+    def _prefix_of_this_save(self, prefix: Any) -> _FilePrefix:
         """The plan's file prefix, or a new one for this rank where the plan is an earlier save's.
 
         A planner that caches plans (``DefaultSavePlanner(enable_plan_caching=True)``) hands
         ``write_data`` the final plan of the save that filled its cache, prefix included: this
         save would write that save's data file names again, in place in the same location (a
-        crash midway would leave its checkpoint pointing at half-written files). Such a save
-        names its files itself, per rank, as a save without collectives does. A delta save is
-        refused: the cached plan carries the earlier save's base decision, not this one's.
+        crash midway would leave its checkpoint pointing at half-written files); that save may
+        even have been another writer's (torch keys the cache by the planner's class). Such a
+        save names its files itself, per rank, as a save without collectives does. A delta save
+        is refused: the cached plan carries the earlier save's base decision, not this one's.
         """
-        if _WRITTEN_PREFIXES.first_use(prefix.prefix):
+        if isinstance(prefix, _FilePrefix) and _WRITTEN_PREFIXES.first_use(prefix.prefix):
             return prefix
-        if prefix.base is not None or self.delta is not None or self.base is not None:
+        if getattr(prefix, "base", None) is not None or self.delta is not None or self.base is not None:
             raise ValueError(
-                f"NvcompWriter({self.path!r}): this save's plan is an earlier save's (its data files "
-                f"{prefix.prefix}*{DATA_SUFFIX} were written before): the planner caches plans "
-                "(DefaultSavePlanner(enable_plan_caching=True)), and a delta save (delta= or base=) "
-                "needs this save's own plan, which carries its base. Pass enable_plan_caching=False"
+                f"NvcompWriter({self.path!r}): the plan DCP handed write_data is an earlier save's "
+                f"(its file prefix {getattr(prefix, 'prefix', prefix)!r} was used before): the planner "
+                "caches plans (DefaultSavePlanner(enable_plan_caching=True)), and a delta save (delta= "
+                "or base=) needs this save's own plan, which carries its base. Pass enable_plan_caching=False"
             )
         fresh = _FilePrefix(f"__{self.rank}_{uuid.uuid4().hex[:12]}_", None, self.save_id)
         _WRITTEN_PREFIXES.first_use(fresh.prefix)

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import SavePlanner
 
@@ -91,6 +91,17 @@ def test_a_delta_save_through_a_cached_plan_is_refused_and_nothing_changes(tmp_p
              if not name.startswith(".metadata.pending")}
     assert after == before
     _loads(tmp_path / "d", first)
+
+
+def test_a_plan_cached_by_a_stock_save_is_not_taken_for_this_ones(tmp_path: Path) -> None:
+    """torch keys its cache by the planner's class: a stock save's final plan (its own kind of
+    file prefix) comes back to the next save with the same state, whoever writes it."""
+    state = _state(3)
+    dcp.save(state, storage_writer=FileSystemWriter(tmp_path / "stock"), planner=_caching())
+    dcp.save(state, storage_writer=FileSystemWriter(tmp_path / "stock2"), planner=_caching())
+    dcp.save(state, storage_writer=nvdcp.NvcompWriter(tmp_path / "n", sync_files=False), planner=_caching())
+    assert len(data_files(tmp_path / "n")) == 1
+    _loads(tmp_path / "n", state)
 
 
 def _two_saves(rank: int, world: int, root: str) -> None:
