@@ -24,11 +24,11 @@ from typing import Any
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
-from torch.distributed.checkpoint.planner import SavePlanner
 
 import nvdcp
 from benchmarks.common import write_results
 from benchmarks.cpu_pipeline_bench import WORKLOADS
+from nvdcp.testing import clear_plan_caches
 
 WRITERS = {"stock": lambda path: FileSystemWriter(path),
            "nvdcp": lambda path: nvdcp.NvcompWriter(path, on_identical_save="ignore")}
@@ -50,12 +50,6 @@ def _planner(writer: str, caching: bool) -> DefaultSavePlanner:
     return cls(enable_plan_caching=True)  # type: ignore[call-arg]
 
 
-def _clear_caches() -> None:
-    for name in ("_cached_save_plan", "_cached_final_save_plan", "_cached_all_plans", "_cached_global_plan",
-                 "_cached_metadata"):
-        getattr(SavePlanner, name, {}).clear()
-
-
 def save_seconds(state: dict[str, Any], writer: str, caching: bool, path: Path) -> float:
     shutil.rmtree(path, ignore_errors=True)
     t0 = time.perf_counter()
@@ -75,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     root = Path(args.dir)
     state = WORKLOADS[args.case]()
-    _clear_caches()
+    clear_plan_caches()
     settings = [(w, c) for w in WRITERS for c in (False, True)]
     runs: dict[str, list[float]] = {f"{w} {'caching' if c else 'default'}": [] for w, c in settings}
     for rnd in range(args.rounds + 1):  # round 0 fills the cache and warms pools: untimed

@@ -72,4 +72,14 @@ def failure_of(exc: BaseException) -> BaseException:
     return wrapped[0] if isinstance(wrapped, tuple) else wrapped
 
 
-__all__ = ["bit_equal", "empty_like_sd", "failure_of", "random_tensor", "weights_like"]
+def clear_plan_caches() -> None:
+    """Empty torch's save-plan caches (``DefaultSavePlanner(enable_plan_caching=True)``), which
+    live on the ``SavePlanner`` class for the whole process."""
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    for name in ("_cached_save_plan", "_cached_final_save_plan", "_cached_all_plans", "_cached_global_plan",
+                 "_cached_metadata"):
+        getattr(SavePlanner, name, {}).clear()
+
+
+__all__ = ["bit_equal", "clear_plan_caches", "empty_like_sd", "failure_of", "random_tensor", "weights_like"]

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import SavePlanner
 
 import nvdcp
+from nvdcp.testing import clear_plan_caches
 from tests._dist import run_ranks
 from tests.conftest import bit_equal
 from tests.dcp.helpers import data_files, failure_of
@@ -32,17 +33,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _clear_plan_caches() -> None:
-    for name in ("_cached_save_plan", "_cached_final_save_plan", "_cached_all_plans", "_cached_global_plan",
-                 "_cached_metadata"):
-        getattr(SavePlanner, name, {}).clear()
-
-
 @pytest.fixture(autouse=True)
 def _fresh_plan_caches() -> object:
-    _clear_plan_caches()  # torch keeps them per class, for the whole process
+    clear_plan_caches()  # torch keeps them per class, for the whole process
     yield
-    _clear_plan_caches()
+    clear_plan_caches()
 
 
 def _state(step: int) -> dict[str, torch.Tensor]:
