@@ -9,6 +9,12 @@
 // already carries, and the parameters as (key, value) pairs; nothing is linked here and no second
 // copy of zstd is built. The frames are ordinary zstd frames: every decoder reads them.
 //
+// The same file decodes: nvdcp_zstd_decode_blocks turns the stored chunks of many blocks back
+// into their elements, each block's frames decoded into a small per-thread scratch and its planes
+// interleaved (or applied, for a delta) into the destination while they are in cache. zstd's
+// batch API decodes into fresh buffers instead: on the CPU machine half of that call's CPU time
+// was the kernel zero-filling their pages, and the interleave read them back from memory.
+//
 // Plain C ABI, no Python headers: loaded with ctypes, which releases the GIL during the call.
 // Built by setup.py as an optional extension; without it nvdcp/codecs/zstd.py compresses each
 // range from Python through the same cffi functions, or with the C binding's batch API.
@@ -82,9 +88,138 @@ void run(Job* job) {
   api.free_context(context);
 }
 
+// -- decoding --------------------------------------------------------------------------------
+using DecompressFn = size_t (*)(void*, void*, size_t, const void*, size_t);
+using MergeFn = int (*)(const uint8_t* const*, int64_t, int, uint8_t*);
+using MergeApplyFn = int (*)(const int64_t*, const int64_t*, const int64_t*, int64_t, int, int, int);
+
+constexpr int kMaxPlanes = 16;
+// Blocks are handed out in runs of this many (a block is at most 64 KiB a plane).
+constexpr int64_t kBlocksPerClaim = 4;
+
+struct DecodeJob {
+  CreateFn create;
+  FreeFn free_context;
+  DecompressFn decompress;
+  IsErrorFn is_error;
+  MergeFn merge;
+  MergeApplyFn merge_apply;
+  const int64_t* chunks;  // count * e chunk addresses, block-major
+  const int64_t* stored;  // their stored sizes
+  const uint8_t* coded;   // 1: a zstd frame; 0: the plane's raw bytes
+  const int64_t* ns;      // bytes per plane of each block
+  const int64_t* dsts;    // each block's destination (ns[i] * e bytes)
+  int64_t count;
+  int e;
+  int kind;  // -1: write the elements; else apply them as a delta of this kind (nvdcp_merge_apply_many)
+  int w;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> first_bad{-1};  // lowest block found not to decode
+};
+
+void note_bad(DecodeJob* job, int64_t block) {
+  int64_t seen = job->first_bad.load();
+  while ((seen < 0 || block < seen) && !job->first_bad.compare_exchange_weak(seen, block)) {
+  }
+}
+
+// One block: its planes decoded (or taken raw) and interleaved into place. False: a frame did not
+// decode to the plane's size, or a raw chunk is not that size.
+bool decode_block(const DecodeJob& job, void* context, int64_t i, uint8_t* scratch) {
+  const int e = job.e;
+  const size_t n = static_cast<size_t>(job.ns[i]);
+  const uint8_t* rows[kMaxPlanes];
+  for (int p = 0; p < e; ++p) {
+    const int64_t c = i * e + p;
+    const void* src = reinterpret_cast<const void*>(job.chunks[c]);
+    const size_t size = static_cast<size_t>(job.stored[c]);
+    if (job.coded[c]) {
+      uint8_t* out = scratch + static_cast<size_t>(p) * n;
+      const size_t got = job.decompress(context, out, n, src, size);
+      if (job.is_error(got) || got != n) return false;
+      rows[p] = out;
+    } else {
+      if (size != n) return false;
+      rows[p] = static_cast<const uint8_t*>(src);
+    }
+  }
+  if (job.kind < 0) return job.merge(rows, static_cast<int64_t>(n), e, reinterpret_cast<uint8_t*>(job.dsts[i])) == 0;
+  int64_t planes[kMaxPlanes];
+  for (int p = 0; p < e; ++p) planes[p] = reinterpret_cast<int64_t>(rows[p]);
+  const int64_t ns = static_cast<int64_t>(n);
+  return job.merge_apply(planes, &ns, job.dsts + i, 1, e, job.kind, job.w) == 0;
+}
+
+void decode_run(DecodeJob* job) {
+  void* context = job->create();
+  if (context == nullptr) return;  // the other threads take the blocks
+  // Kept by the calling thread across calls: its pages are not faulted in again for every batch.
+  thread_local std::vector<uint8_t> scratch;
+  for (;;) {
+    const int64_t start = job->next.fetch_add(kBlocksPerClaim);
+    if (start >= job->count) break;
+    const int64_t stop = start + kBlocksPerClaim < job->count ? start + kBlocksPerClaim : job->count;
+    for (int64_t i = start; i < stop; ++i) {
+      const size_t need = static_cast<size_t>(job->ns[i]) * static_cast<size_t>(job->e);
+      if (scratch.size() < need) scratch.resize(need);
+      if (!decode_block(*job, context, i, scratch.data())) note_bad(job, i);
+    }
+  }
+  job->free_context(context);
+}
+
 }  // namespace
 
 extern "C" {
+
+// Decode `count` blocks of `e` planes each. `functions`: the addresses of ZSTD_createDCtx,
+// ZSTD_freeDCtx, ZSTD_decompressDCtx and ZSTD_isError (the cffi backend's, as above), then of
+// nvdcp_merge_planes and nvdcp_merge_apply_many (nvdcp/format/_crc32c_batch.cpp), in that order.
+// Plane p of block i is chunk i * e + p: `stored[c]` bytes at address `chunks[c]`, a zstd frame of
+// `ns[i]` bytes where `coded[c]`, else those bytes raw. The planes are interleaved into ns[i]
+// elements of e bytes at address dsts[i] (kind -1), or applied there as a delta of `kind` over
+// w-byte elements (nvdcp_merge_apply_many's kinds). On up to `threads` threads. Returns 0; -1 for
+// bad arguments or when a decoding context could not be made (nothing written then); i + 1 when
+// block i (the lowest such) did not decode to its size (other blocks may have been written).
+int64_t nvdcp_zstd_decode_blocks(const void* const* functions, const int64_t* chunks, const int64_t* stored,
+                                 const uint8_t* coded, const int64_t* ns, const int64_t* dsts, int64_t count, int e,
+                                 int kind, int w, int threads) {
+  if (e < 1 || e > kMaxPlanes || count < 0) return -1;
+  if (kind < -1 || kind > 1 || (kind == 1 && w != 2 && w != 4 && w != 8)) return -1;  // merge_apply's kinds
+  if (count == 0) return 0;
+  DecodeJob job;
+  job.create = reinterpret_cast<CreateFn>(functions[0]);
+  job.free_context = reinterpret_cast<FreeFn>(functions[1]);
+  job.decompress = reinterpret_cast<DecompressFn>(functions[2]);
+  job.is_error = reinterpret_cast<IsErrorFn>(functions[3]);
+  job.merge = reinterpret_cast<MergeFn>(functions[4]);
+  job.merge_apply = reinterpret_cast<MergeApplyFn>(functions[5]);
+  job.chunks = chunks;
+  job.stored = stored;
+  job.coded = coded;
+  job.ns = ns;
+  job.dsts = dsts;
+  job.count = count;
+  job.e = e;
+  job.kind = kind;
+  job.w = w;
+  int64_t useful = (count + kBlocksPerClaim - 1) / kBlocksPerClaim;
+  int workers = threads < 1 ? 1 : threads;
+  if (workers > useful) workers = static_cast<int>(useful);
+  std::vector<std::thread> pool;
+  for (int t = 1; t < workers; ++t) {
+    try {
+      pool.emplace_back(decode_run, &job);
+    } catch (...) {
+      break;  // no thread to be had: the others (this one at least) take its blocks
+    }
+  }
+  decode_run(&job);
+  for (auto& thread : pool) thread.join();
+  if (job.next.load() == 0) return -1;  // no thread could make a context: no block was claimed
+  const int64_t bad = job.first_bad.load();
+  return bad < 0 ? 0 : bad + 1;
+}
 
 // `functions`: the addresses of ZSTD_createCCtx, ZSTD_freeCCtx, ZSTD_CCtx_setParameter,
 // ZSTD_compress2 and ZSTD_isError, in that order. `params`: `n_params` (ZSTD_cParameter, value)

@@ -30,6 +30,7 @@ import torch
 from nvdcp._native import load_function
 from nvdcp.codecs import codec_id
 from nvdcp.codecs.base import Buffer, Codec, PackedStreams
+from nvdcp.codecs.zstd_blocks import block_decoder
 from nvdcp.format.crc import checksum_ranges
 from nvdcp.format.header import (
     DELTA_ITEM_VERSION,
@@ -601,6 +602,9 @@ def _native_merge_many() -> Callable[..., int] | None:
     return fn  # type: ignore[no-any-return]
 
 
+_ZSTD_ID = codec_id("zstd")
+
+
 @functools.cache
 def _native_merge_apply_many() -> Callable[..., int] | None:
     fn = load_function(_FORMAT_DIR, "_crc32c_batch", "nvdcp_merge_apply_many")
@@ -616,9 +620,11 @@ def decode_records(buf: np.ndarray, parsed: ParsedRecords, outs: Sequence[np.nda
     """Decode every record of ``parsed`` into ``outs[i]`` (its raw bytes: flat contiguous uint8
     of the record's size, or the address of such memory, e.g. a dense tensor's ``data_ptr()``,
     whose size the caller checked). The chunks' CRC32Cs must have been checked and the codecs be decodable
-    here (:func:`~nvdcp.pipeline.cpu.check_decodable`). Each codec decodes all its chunks in one
-    call (:meth:`~nvdcp.codecs.base.Codec.decode_ranges`); the planes of every block are then
-    interleaved into place by one native call per plane count. ``apply[i]``, when given as
+    here (:func:`~nvdcp.pipeline.cpu.check_decodable`). Where every compressed chunk is a zstd
+    frame, one native call per plane count decodes each block into a small scratch and
+    interleaves its planes into place (:func:`~nvdcp.codecs.zstd_blocks.block_decoder`); else each
+    codec decodes all its chunks in one call (:meth:`~nvdcp.codecs.base.Codec.decode_ranges`) and
+    the planes of every block are then interleaved into place by one native call per plane count. ``apply[i]``, when given as
     ``(delta kind, element size)``: record ``i`` is a delta, applied to the bytes ``outs[i]``
     already holds (its base's, :func:`~nvdcp.transform.delta.apply_np`) as its planes are
     interleaved, instead of written there.
@@ -643,10 +649,12 @@ def decode_records(buf: np.ndarray, parsed: ParsedRecords, outs: Sequence[np.nda
     pointers = buf.ctypes.data + parsed.starts
     keep: list[object] = []  # the decoded streams' memory, until merged
     compressed = parsed.sizes != block_raw
+    in_place = None  # decodes zstd frames block by block into place (nvdcp.codecs.zstd_blocks)
     if compressed.any():
         ids = fields.codec_matrix(MAX_PLANES)[chunk_item[compressed], plane[compressed]].astype(np.int64)
+        in_place = block_decoder() if (ids == _ZSTD_ID).all() else None
         which = np.flatnonzero(compressed)
-        for cid in np.unique(ids).tolist():
+        for cid in [] if in_place is not None else np.unique(ids).tolist():
             sel = which[ids == cid]
             decoded = plane_cpu_codecs((cid,))[0].decode_ranges(buf, parsed.starts[sel], parsed.sizes[sel], block_raw[sel], threads)
             keep.append(decoded.owner)
@@ -664,7 +672,12 @@ def decode_records(buf: np.ndarray, parsed: ParsedRecords, outs: Sequence[np.nda
     for width, kind, size in np.unique(keys, axis=0).tolist():
         mine = (keys == (width, kind, size)).all(axis=1)
         blocks = block_firsts[mine]
-        if kind < 0:
+        if in_place is not None:
+            chunks = (blocks[:, None] + np.arange(width)).reshape(-1)
+            apply_width = size if kind == delta_transform.ZIGZAG_DIFF else 1
+            in_place.decode(pointers[chunks], parsed.sizes[chunks], compressed[chunks], block_raw[blocks], dsts[mine],
+                            width, kind, apply_width, threads)
+        elif kind < 0:
             _merge_blocks(pointers, blocks, block_raw[blocks], dsts[mine], width)
         else:
             _merge_apply_blocks(pointers, blocks, block_raw[blocks], dsts[mine], width, kind, size)

@@ -153,8 +153,18 @@ def _records(codec: str = "zstd", seed: int = 0) -> tuple[list[torch.Tensor], np
     return tensors, buf, starts, lengths
 
 
+def _without_block_decoder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode through the codecs' decode_ranges, then merge (the path without nvdcp.codecs.zstd_blocks)."""
+    monkeypatch.setattr(cpu_batch, "block_decoder", lambda: None)
+
+
 @pytest.mark.parametrize("codec", ["zstd", "none", "gdeflate"])
-def test_parsed_and_decoded_together_equal_one_by_one(codec: str) -> None:
+@pytest.mark.parametrize("in_place", [True, False])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_parsed_and_decoded_together_equal_one_by_one(codec: str, in_place: bool, threads: int,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    if not in_place:
+        _without_block_decoder(monkeypatch)
     try:
         cpu_codec(codec).check_available()
     except Exception as exc:  # noqa: BLE001
@@ -169,7 +179,7 @@ def test_parsed_and_decoded_together_equal_one_by_one(codec: str) -> None:
         assert parsed.sizes[c0:c1].tolist() == one.chunks.sizes.tolist()
         assert parsed.crcs[c0:c1].tolist() == one.chunks.crcs.tolist()
     outs = [np.full(h.raw_nbytes, 0xAB, dtype=np.uint8) for h in parsed.headers]
-    cpu_batch.decode_records(buf, parsed, outs)
+    cpu_batch.decode_records(buf, parsed, outs, threads=threads)
     for t, out in zip(tensors, outs):
         assert np.array_equal(out, tensor_to_host_bytes(t)), f"{t.dtype} {tuple(t.shape)}"
 
@@ -178,6 +188,7 @@ def test_decode_without_the_native_merge(monkeypatch: pytest.MonkeyPatch) -> Non
     tensors, buf, starts, lengths = _records(seed=2)
     parsed = cpu_batch.parse_records(buf, starts, lengths)
     assert parsed is not None
+    _without_block_decoder(monkeypatch)
     monkeypatch.setattr(cpu_batch, "_native_merge_many", lambda: None)
     outs = [np.empty(h.raw_nbytes, dtype=np.uint8) for h in parsed.headers]
     cpu_batch.decode_records(buf, parsed, outs)
@@ -200,7 +211,10 @@ def test_any_damaged_header_sends_the_batch_to_the_one_by_one_path() -> None:
     assert cpu_batch.parse_records(buf[:-1], starts, lengths) is None
 
 
-def test_a_frame_that_decodes_to_another_size_is_a_value_error() -> None:
+@pytest.mark.parametrize("in_place", [True, False])
+def test_a_frame_that_decodes_to_another_size_is_a_value_error(in_place: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not in_place:
+        _without_block_decoder(monkeypatch)
     tensors, buf, starts, lengths = _records()
     parsed = cpu_batch.parse_records(buf, starts, lengths)
     assert parsed is not None
@@ -317,13 +331,16 @@ def test_delta_records_parse_and_decode_together_with_whole_ones() -> None:
         assert np.array_equal(value, raw) and np.array_equal(outs[2 * i + 1], raw), f"{t.dtype} {tuple(t.shape)}"
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_delta_records_applied_to_their_bases_as_they_decode(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("path", ["in place", "native merge", "numpy"])
+def test_delta_records_applied_to_their_bases_as_they_decode(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """``apply``: each delta record's planes are interleaved straight into its base's bytes (one
     pass), giving what decoding it and then applying it gives; whole records beside them are
-    written as before. With and without the native merge-and-apply."""
+    written as before. Decoded block by block in place, or decoded and then merged with the
+    native merge-and-apply or without it."""
 
-    if not native:
+    if path != "in place":
+        _without_block_decoder(monkeypatch)
+    if path == "numpy":
         monkeypatch.setattr(cpu_batch, "_native_merge_apply_many", lambda: None)
     tensors, bases, _, buf, starts, lengths = _delta_records(seed=3)
     parsed = cpu_batch.parse_records(buf, starts, lengths)
