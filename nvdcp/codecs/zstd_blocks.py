@@ -81,9 +81,9 @@ def block_decoder() -> BlockDecoder | None:
     if not all(hasattr(lib, name) for name in _ZSTD_FUNCTIONS):
         return None
     decode = load_function(_CODECS_DIR, "_zstd_batch", "nvdcp_zstd_decode_blocks")
-    merges = [load_function(_FORMAT_DIR, "_crc32c_batch", name)
-              for name in ("nvdcp_merge_planes", "nvdcp_merge_apply_many")]
-    if decode is None or None in merges:
+    found = [load_function(_FORMAT_DIR, "_crc32c_batch", name) for name in ("nvdcp_merge_planes", "nvdcp_merge_apply_many")]
+    merges = [fn for fn in found if fn is not None]
+    if decode is None or len(merges) < len(found):
         return None
     decode.restype = ctypes.c_int64
     decode.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
