@@ -63,7 +63,8 @@ class BlockDecoder:
         status = self._decode(self._functions.ctypes.data, chunks.ctypes.data, stored.ctypes.data, coded.ctypes.data,
                               ns.ctypes.data, dsts.ctypes.data, count, width, kind, element_width, max(1, threads))
         if status < 0:
-            raise ValueError(f"cannot decode {width}-plane blocks as delta kind {kind} over {element_width}-byte elements")
+            raise ValueError(f"cannot decode {width}-plane blocks as delta kind {kind} over {element_width}-byte "
+                             "elements (an unknown kind or width, or no zstd context could be made)")
         if status > 0:
             raise ValueError(f"block {status - 1} of {count}: a zstd frame or raw chunk is not its plane's size")
 
