@@ -22,6 +22,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <new>
 #include <thread>
 #include <vector>
 
@@ -90,10 +92,13 @@ void run(Job* job) {
 
 // -- decoding --------------------------------------------------------------------------------
 using DecompressFn = size_t (*)(void*, void*, size_t, const void*, size_t);
+using FrameSizeFn = size_t (*)(const void*, size_t);
+using ContentSizeFn = unsigned long long (*)(const void*, size_t);
 using MergeFn = int (*)(const uint8_t* const*, int64_t, int, uint8_t*);
 using MergeApplyFn = int (*)(const int64_t*, const int64_t*, const int64_t*, int64_t, int, int, int);
 
 constexpr int kMaxPlanes = 16;
+constexpr int64_t kMaxPlaneBytes = int64_t{1} << 20;  // a block's bytes per plane (the format's are <= 64 KiB)
 // Blocks are handed out in runs of this many (a block is at most 64 KiB a plane).
 constexpr int64_t kBlocksPerClaim = 4;
 
@@ -102,6 +107,8 @@ struct DecodeJob {
   FreeFn free_context;
   DecompressFn decompress;
   IsErrorFn is_error;
+  FrameSizeFn frame_size;        // ZSTD_findFrameCompressedSize
+  ContentSizeFn content_size;    // ZSTD_getFrameContentSize
   MergeFn merge;
   MergeApplyFn merge_apply;
   const int64_t* chunks;  // count * e chunk addresses, block-major
@@ -123,20 +130,38 @@ void note_bad(DecodeJob* job, int64_t block) {
   }
 }
 
+constexpr uint32_t kZstdMagic = 0xFD2FB528u;
+
+// Decode the chunk `src` (`size` bytes) into `n` bytes at `out` as the codecs' batch path
+// (zstandard's multi_decompress_to_buffer) accepts it: one zstd frame at the start, declaring
+// content size n; bytes after that frame are not read. False for anything else (a skippable or
+// unknown frame first, no or another content size, a frame that does not decode to n bytes).
+bool decode_frame(const DecodeJob& job, void* context, const uint8_t* src, size_t size, uint8_t* out, size_t n) {
+  if (size < 4) return false;
+  uint32_t magic;
+  std::memcpy(&magic, src, 4);
+  if (magic != kZstdMagic) return false;  // little-endian hosts (what nvdcp builds for)
+  const size_t frame = job.frame_size(src, size);
+  if (job.is_error(frame) || frame > size) return false;
+  if (job.content_size(src, frame) != static_cast<unsigned long long>(n)) return false;
+  const size_t got = job.decompress(context, out, n, src, frame);
+  return !job.is_error(got) && got == n;
+}
+
 // One block: its planes decoded (or taken raw) and interleaved into place. False: a frame did not
-// decode to the plane's size, or a raw chunk is not that size.
+// decode to the plane's size (decode_frame), or a raw chunk is not that size.
 bool decode_block(const DecodeJob& job, void* context, int64_t i, uint8_t* scratch) {
   const int e = job.e;
   const size_t n = static_cast<size_t>(job.ns[i]);
   const uint8_t* rows[kMaxPlanes];
   for (int p = 0; p < e; ++p) {
     const int64_t c = i * e + p;
-    const void* src = reinterpret_cast<const void*>(job.chunks[c]);
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(job.chunks[c]);
+    if (job.stored[c] < 0) return false;
     const size_t size = static_cast<size_t>(job.stored[c]);
     if (job.coded[c]) {
       uint8_t* out = scratch + static_cast<size_t>(p) * n;
-      const size_t got = job.decompress(context, out, n, src, size);
-      if (job.is_error(got) || got != n) return false;
+      if (!decode_frame(job, context, src, size, out, n)) return false;
       rows[p] = out;
     } else {
       if (size != n) return false;
@@ -150,19 +175,34 @@ bool decode_block(const DecodeJob& job, void* context, int64_t i, uint8_t* scrat
   return job.merge_apply(planes, &ns, job.dsts + i, 1, e, job.kind, job.w) == 0;
 }
 
-void decode_run(DecodeJob* job) {
+// A thread's decode scratch, uninitialized (nothing reads it before a frame is decoded there).
+// The calling thread's is kept across calls (a reader thread decodes batch after batch): its pages
+// are not faulted in again for every batch; a worker started for one call has its own.
+struct Scratch {
+  std::unique_ptr<uint8_t[]> data;
+  size_t size = 0;
+  uint8_t* at_least(size_t need) {
+    if (size < need) {
+      data.reset(new (std::nothrow) uint8_t[need]);
+      size = data ? need : 0;
+    }
+    return data.get();
+  }
+};
+
+void decode_run(DecodeJob* job) noexcept {
   void* context = job->create();
   if (context == nullptr) return;  // the other threads take the blocks
-  // Kept by the calling thread across calls: its pages are not faulted in again for every batch.
-  thread_local std::vector<uint8_t> scratch;
+  thread_local Scratch scratch;
   for (;;) {
     const int64_t start = job->next.fetch_add(kBlocksPerClaim);
     if (start >= job->count) break;
     const int64_t stop = start + kBlocksPerClaim < job->count ? start + kBlocksPerClaim : job->count;
     for (int64_t i = start; i < stop; ++i) {
-      const size_t need = static_cast<size_t>(job->ns[i]) * static_cast<size_t>(job->e);
-      if (scratch.size() < need) scratch.resize(need);
-      if (!decode_block(*job, context, i, scratch.data())) note_bad(job, i);
+      // the callers' blocks are at most 64 KiB a plane; anything else is refused, not allocated
+      uint8_t* room = job->ns[i] < 0 || job->ns[i] > kMaxPlaneBytes
+          ? nullptr : scratch.at_least(static_cast<size_t>(job->ns[i]) * static_cast<size_t>(job->e) + 1);
+      if (room == nullptr || !decode_block(*job, context, i, room)) note_bad(job, i);
     }
   }
   job->free_context(context);
@@ -173,8 +213,9 @@ void decode_run(DecodeJob* job) {
 extern "C" {
 
 // Decode `count` blocks of `e` planes each. `functions`: the addresses of ZSTD_createDCtx,
-// ZSTD_freeDCtx, ZSTD_decompressDCtx and ZSTD_isError (the cffi backend's, as above), then of
-// nvdcp_merge_planes and nvdcp_merge_apply_many (nvdcp/format/_crc32c_batch.cpp), in that order.
+// ZSTD_freeDCtx, ZSTD_decompressDCtx, ZSTD_isError, ZSTD_findFrameCompressedSize and
+// ZSTD_getFrameContentSize (the cffi backend's, as above), then of nvdcp_merge_planes and
+// nvdcp_merge_apply_many (nvdcp/format/_crc32c_batch.cpp), in that order.
 // Plane p of block i is chunk i * e + p: `stored[c]` bytes at address `chunks[c]`, a zstd frame of
 // `ns[i]` bytes where `coded[c]`, else those bytes raw. The planes are interleaved into ns[i]
 // elements of e bytes at address dsts[i] (kind -1), or applied there as a delta of `kind` over
@@ -183,7 +224,7 @@ extern "C" {
 // block i (the lowest such) did not decode to its size (other blocks may have been written).
 int64_t nvdcp_zstd_decode_blocks(const void* const* functions, const int64_t* chunks, const int64_t* stored,
                                  const uint8_t* coded, const int64_t* ns, const int64_t* dsts, int64_t count, int e,
-                                 int kind, int w, int threads) {
+                                 int kind, int w, int threads) noexcept {
   if (e < 1 || e > kMaxPlanes || count < 0) return -1;
   if (kind < -1 || kind > 1 || (kind == 1 && w != 2 && w != 4 && w != 8)) return -1;  // merge_apply's kinds
   if (count == 0) return 0;
@@ -192,8 +233,10 @@ int64_t nvdcp_zstd_decode_blocks(const void* const* functions, const int64_t* ch
   job.free_context = reinterpret_cast<FreeFn>(functions[1]);
   job.decompress = reinterpret_cast<DecompressFn>(functions[2]);
   job.is_error = reinterpret_cast<IsErrorFn>(functions[3]);
-  job.merge = reinterpret_cast<MergeFn>(functions[4]);
-  job.merge_apply = reinterpret_cast<MergeApplyFn>(functions[5]);
+  job.frame_size = reinterpret_cast<FrameSizeFn>(functions[4]);
+  job.content_size = reinterpret_cast<ContentSizeFn>(functions[5]);
+  job.merge = reinterpret_cast<MergeFn>(functions[6]);
+  job.merge_apply = reinterpret_cast<MergeApplyFn>(functions[7]);
   job.chunks = chunks;
   job.stored = stored;
   job.coded = coded;
@@ -207,12 +250,11 @@ int64_t nvdcp_zstd_decode_blocks(const void* const* functions, const int64_t* ch
   int workers = threads < 1 ? 1 : threads;
   if (workers > useful) workers = static_cast<int>(useful);
   std::vector<std::thread> pool;
-  for (int t = 1; t < workers; ++t) {
-    try {
-      pool.emplace_back(decode_run, &job);
-    } catch (...) {
-      break;  // no thread to be had: the others (this one at least) take its blocks
-    }
+  try {
+    pool.reserve(static_cast<size_t>(workers));
+    for (int t = 1; t < workers; ++t) pool.emplace_back(decode_run, &job);
+  } catch (...) {
+    // no thread (or no memory) to be had: the threads started, this one at least, take the blocks
   }
   decode_run(&job);
   for (auto& thread : pool) thread.join();

@@ -118,6 +118,7 @@ class ZstdCodec(Codec):
         third of the decompression."""
         if not len(offsets):
             return DecodedStreams(np.empty(0, dtype=np.int64), None)
+        _require_frames(buf, offsets, lengths)
         segments = np.empty((len(offsets), 2), dtype="<u8")
         segments[:, 0] = offsets
         segments[:, 1] = lengths
@@ -148,3 +149,19 @@ class ZstdCodec(Codec):
         if len(raw) != len(out):
             raise ValueError(f"zstd frame decodes to {len(raw)} bytes, expected {len(out)}")
         out[:] = raw
+
+
+_FRAME_MAGIC = np.frombuffer((0xFD2FB528).to_bytes(4, "little"), dtype=np.uint8)
+
+
+def _require_frames(buf: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> None:
+    """Every range starts with a zstd frame's magic number. zstandard's batch decoder aborted the
+    process ("double free or corruption") on a range that starts with a skippable frame (0.24,
+    2026-12-07): a crafted checkpoint must get a ValueError instead."""
+    offsets = np.asarray(offsets, dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if (lengths < 4).any() or (offsets < 0).any() or (offsets + lengths > buf.size).any():
+        raise ValueError("a zstd range is shorter than a frame header or lies outside its buffer")
+    heads = buf[offsets[:, None] + np.arange(4)]
+    if not (heads == _FRAME_MAGIC).all():
+        raise ValueError("a zstd range does not start with a zstd frame")

@@ -28,7 +28,8 @@ import numpy as np
 from nvdcp._native import load_function
 
 ENV_VAR = "NVDCP_ZSTD_BLOCKS"
-_ZSTD_FUNCTIONS = ("ZSTD_createDCtx", "ZSTD_freeDCtx", "ZSTD_decompressDCtx", "ZSTD_isError")
+_ZSTD_FUNCTIONS = ("ZSTD_createDCtx", "ZSTD_freeDCtx", "ZSTD_decompressDCtx", "ZSTD_isError",
+                   "ZSTD_findFrameCompressedSize", "ZSTD_getFrameContentSize")
 _CODECS_DIR = os.path.dirname(__file__)
 _FORMAT_DIR = os.path.join(os.path.dirname(_CODECS_DIR), "format")
 
@@ -43,8 +44,9 @@ class BlockDecoder:
     def decode(self, chunks: np.ndarray, stored: np.ndarray, coded: np.ndarray, ns: np.ndarray, dsts: np.ndarray,
                width: int, kind: int = -1, element_width: int = 1, threads: int = 1) -> None:
         """Decode ``len(ns)`` blocks of ``width`` planes: plane ``p`` of block ``i`` is chunk
-        ``i * width + p`` (``stored[c]`` bytes at address ``chunks[c]``; a zstd frame of
-        ``ns[i]`` bytes where ``coded[c]``, else those bytes raw). Block ``i``'s elements go to
+        ``i * width + p`` (``stored[c]`` bytes at address ``chunks[c]``; where ``coded[c]``, a
+        zstd frame declaring ``ns[i]`` bytes of content, with any bytes after it not read, as
+        zstd's batch API takes it; else those ``ns[i]`` bytes raw). Block ``i``'s elements go to
         address ``dsts[i]``; with ``kind`` >= 0 they are applied there as a delta of that kind over
         ``element_width``-byte elements (:func:`~nvdcp.transform.delta.apply_np`'s kinds).
 
@@ -60,6 +62,8 @@ class BlockDecoder:
         dsts = np.ascontiguousarray(dsts, dtype=np.int64)
         if not len(chunks) == len(stored) == len(coded) == count * width or len(dsts) != count:
             raise ValueError(f"{count} blocks of {width} planes need {count * width} chunks and {count} destinations")
+        if (ns < 0).any() or (stored < 0).any():
+            raise ValueError("negative block or chunk sizes")
         status = self._decode(self._functions.ctypes.data, chunks.ctypes.data, stored.ctypes.data, coded.ctypes.data,
                               ns.ctypes.data, dsts.ctypes.data, count, width, kind, element_width, max(1, threads))
         if status < 0:

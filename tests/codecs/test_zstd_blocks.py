@@ -118,3 +118,91 @@ def test_the_environment_variable_turns_it_off(monkeypatch: pytest.MonkeyPatch) 
     finally:
         monkeypatch.delenv(zstd_blocks.ENV_VAR)
         zstd_blocks.block_decoder.cache_clear()
+
+
+def _odd_chunks(plane: np.ndarray) -> dict[str, bytes]:
+    """One plane's chunk in forms a crafted checkpoint could hold (its CRC would still match)."""
+    raw = plane.tobytes()
+    level1 = zstandard.ZstdCompressor(level=1)
+    half = len(raw) // 2
+    return {
+        "plain frame": level1.compress(raw),
+        "bytes after the frame": level1.compress(raw) + b"\x00\x07",
+        "skippable frame first": b"\x50\x2a\x4d\x18" + (4).to_bytes(4, "little") + b"abcd" + level1.compress(raw),
+        "no content size": zstandard.ZstdCompressor(level=1, write_content_size=False).compress(raw),
+        "two frames of half each": level1.compress(raw[:half]) + level1.compress(raw[half:]),
+        "frame of another size": level1.compress(raw + b"x"),
+        "not a frame": b"\xff" * 40,
+        "three bytes": b"\x28\xb5\x2f",
+    }
+
+
+@pytest.mark.parametrize("form", list(_odd_chunks(np.zeros(8, dtype=np.uint8))))
+def test_odd_chunks_decode_as_the_batch_api_takes_them(decoder: zstd_blocks.BlockDecoder, form: str) -> None:
+    """The block decoder accepts exactly the chunks the codec's batch path (decode_ranges)
+    accepts, with the same bytes: whichever path a load takes, a crafted chunk loads or fails
+    alike, and never takes the process down."""
+    from nvdcp.codecs import cpu_codec
+
+    plane = np.random.default_rng(5).integers(0, 4, 4096, dtype=np.uint8) * np.uint8(60)
+    chunk = np.frombuffer(_odd_chunks(plane)[form], dtype=np.uint8).copy()
+    offsets, lengths, raw = np.array([0]), np.array([chunk.size]), np.array([plane.size])
+    try:
+        decoded = cpu_codec("zstd").decode_ranges(chunk, offsets, lengths, raw)
+        ranges = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * plane.size).from_address(int(decoded.addresses[0])))
+        expected: np.ndarray | None = ranges.copy()
+    except ValueError:
+        expected = None
+    out = np.full(plane.size, 0xAB, dtype=np.uint8)
+    try:
+        decoder.decode(np.array([chunk.ctypes.data]), lengths, np.array([1]), raw, np.array([out.ctypes.data]), 1)
+        got: np.ndarray | None = out
+    except ValueError:
+        got = None
+    assert (got is None) == (expected is None), form
+    if got is not None and expected is not None:
+        assert np.array_equal(got, expected) and np.array_equal(got, plane)
+
+
+def test_damaged_frames_never_write_outside_their_blocks(decoder: zstd_blocks.BlockDecoder) -> None:
+    """Each block's elements land in its own slice of one larger array: with frames damaged at
+    random and three threads, the bytes between the slices keep their sentinel."""
+    rng = np.random.default_rng(11)
+    sizes = [4096, 777, 65536, 1, 30_000] * 4
+    planes, stored, coded = _blocks(4, sizes, seed=3)
+    for c in rng.choice(len(stored), 12, replace=False).tolist():
+        if coded[c]:
+            damaged = bytearray(stored[c])
+            damaged[rng.integers(4, len(damaged))] ^= 0x5A
+            stored[c] = bytes(damaged)
+    chunks, lengths, keep = _addresses(stored)
+    guard = 4096
+    arena = np.full(sum(n * 4 + guard for n in sizes) + guard, 0xEE, dtype=np.uint8)
+    starts = np.cumsum([guard] + [n * 4 + guard for n in sizes[:-1]])
+    with pytest.raises(ValueError):
+        decoder.decode(chunks, lengths, np.array(coded), np.array(sizes), arena.ctypes.data + starts, 4, threads=3)
+    inside = np.zeros(arena.size, dtype=bool)
+    for at, n in zip(starts.tolist(), sizes):
+        inside[at : at + n * 4] = True
+    assert (arena[~inside] == 0xEE).all()
+    del keep
+
+
+def test_edge_counts_and_sizes(decoder: zstd_blocks.BlockDecoder) -> None:
+    empty = np.empty(0, dtype=np.int64)
+    decoder.decode(empty, empty, np.empty(0, dtype=bool), empty, empty, 2)  # no blocks: nothing to do
+    planes, stored, coded = _blocks(3, [100, 5])
+    chunks, lengths, keep = _addresses(stored)
+    outs = [np.empty(n * 3, dtype=np.uint8) for n in (100, 5)]
+    decoder.decode(chunks, lengths, np.array(coded), np.array([100, 5]), np.array([o.ctypes.data for o in outs]), 3,
+                   threads=16)  # more threads than blocks
+    for block, out in zip(planes, outs):
+        expected = np.empty(block.size, dtype=np.uint8)
+        merge(block, 3, expected)
+        assert np.array_equal(out, expected)
+    with pytest.raises(ValueError, match="negative"):
+        decoder.decode(chunks, lengths, np.array(coded), np.array([100, -5]), np.array([o.ctypes.data for o in outs]), 3)
+    wide = np.zeros(17, dtype=np.int64)
+    with pytest.raises(ValueError, match="17-plane"):
+        decoder.decode(wide, wide, np.zeros(17, dtype=bool), np.array([1]), np.array([outs[0].ctypes.data]), 17)
+    del keep

@@ -158,11 +158,30 @@ def _without_block_decoder(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu_batch, "block_decoder", lambda: None)
 
 
+def _counting_block_decoder(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Make sure the block decoder is what decodes (skip where it is not built); returns a list
+    that gets one entry per call of it."""
+    from nvdcp.codecs.zstd_blocks import BlockDecoder, block_decoder
+
+    if block_decoder() is None:
+        pytest.skip("the block decoder's native pieces are not built here")
+    calls: list[int] = []
+    real = BlockDecoder.decode
+
+    def counted(self: BlockDecoder, *args: object, **kwargs: object) -> None:
+        calls.append(1)
+        real(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(BlockDecoder, "decode", counted)
+    return calls
+
+
 @pytest.mark.parametrize("codec", ["zstd", "none", "gdeflate"])
 @pytest.mark.parametrize("in_place", [True, False])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_parsed_and_decoded_together_equal_one_by_one(codec: str, in_place: bool, threads: int,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _counting_block_decoder(monkeypatch) if in_place else None
     if not in_place:
         _without_block_decoder(monkeypatch)
     try:
@@ -182,6 +201,8 @@ def test_parsed_and_decoded_together_equal_one_by_one(codec: str, in_place: bool
     cpu_batch.decode_records(buf, parsed, outs, threads=threads)
     for t, out in zip(tensors, outs):
         assert np.array_equal(out, tensor_to_host_bytes(t)), f"{t.dtype} {tuple(t.shape)}"
+    if calls is not None:
+        assert bool(calls) == (codec == "zstd")  # GDeflate chunks and raw records take the other path
 
 
 def test_decode_without_the_native_merge(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -338,6 +359,7 @@ def test_delta_records_applied_to_their_bases_as_they_decode(path: str, monkeypa
     written as before. Decoded block by block in place, or decoded and then merged with the
     native merge-and-apply or without it."""
 
+    calls = _counting_block_decoder(monkeypatch) if path == "in place" else None
     if path != "in place":
         _without_block_decoder(monkeypatch)
     if path == "numpy":
@@ -352,6 +374,7 @@ def test_delta_records_applied_to_their_bases_as_they_decode(path: str, monkeypa
     for i, t in enumerate(tensors):
         raw = tensor_to_host_bytes(t)
         assert np.array_equal(outs[2 * i], raw) and np.array_equal(outs[2 * i + 1], raw), f"{t.dtype} {tuple(t.shape)}"
+    assert calls is None or calls  # the in-place path did the decoding
 
 
 def test_any_damaged_delta_header_sends_the_batch_to_the_one_by_one_path() -> None:
