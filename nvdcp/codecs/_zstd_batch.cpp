@@ -47,6 +47,24 @@ struct ZstdApi {
 // contending on the counter for every small range.
 constexpr int64_t kRangesPerClaim = 16;
 
+// run(job) on this thread and on up to threads - 1 more, no more than there are claims of
+// `per_claim` of the `items` to go round; the threads share the job's work through its counter.
+// A thread that cannot be started is done without: the others, this one at least, take its share.
+template <typename Work>
+void on_threads(void (*run)(Work*), Work* job, int threads, int64_t items, int64_t per_claim) {
+  const int64_t useful = (items + per_claim - 1) / per_claim;
+  int workers = threads < 1 ? 1 : threads;
+  if (workers > useful) workers = useful < 1 ? 1 : static_cast<int>(useful);
+  std::vector<std::thread> pool;
+  try {
+    pool.reserve(static_cast<size_t>(workers));
+    for (int t = 1; t < workers; ++t) pool.emplace_back(run, job);
+  } catch (...) {
+  }
+  run(job);
+  for (auto& thread : pool) thread.join();
+}
+
 struct Job {
   const ZstdApi* api;
   const int32_t* params;
@@ -246,18 +264,7 @@ int64_t nvdcp_zstd_decode_blocks(const void* const* functions, const int64_t* ch
   job.e = e;
   job.kind = kind;
   job.w = w;
-  int64_t useful = (count + kBlocksPerClaim - 1) / kBlocksPerClaim;
-  int workers = threads < 1 ? 1 : threads;
-  if (workers > useful) workers = static_cast<int>(useful);
-  std::vector<std::thread> pool;
-  try {
-    pool.reserve(static_cast<size_t>(workers));
-    for (int t = 1; t < workers; ++t) pool.emplace_back(decode_run, &job);
-  } catch (...) {
-    // no thread (or no memory) to be had: the threads started, this one at least, take the blocks
-  }
-  decode_run(&job);
-  for (auto& thread : pool) thread.join();
+  on_threads(decode_run, &job, threads, count, kBlocksPerClaim);
   if (job.next.load() == 0) return -1;  // no thread could make a context: no block was claimed
   const int64_t bad = job.first_bad.load();
   return bad < 0 ? 0 : bad + 1;
@@ -290,13 +297,7 @@ int64_t nvdcp_zstd_compress_ranges(const void* const* functions, const int32_t* 
   job.dst_cap = dst_cap;
   job.out_len = out_len;
   job.n = n;
-  int64_t useful = (n + kRangesPerClaim - 1) / kRangesPerClaim;
-  int workers = threads < 1 ? 1 : threads;
-  if (workers > useful) workers = useful < 1 ? 1 : static_cast<int>(useful);
-  std::vector<std::thread> pool;
-  for (int t = 1; t < workers; ++t) pool.emplace_back(run, &job);
-  run(&job);
-  for (auto& thread : pool) thread.join();
+  on_threads(run, &job, threads, n, kRangesPerClaim);
   if (job.failed.load()) return -1;
   int64_t packed = 0;
   for (int64_t i = 0; i < n; ++i) {
