@@ -624,8 +624,8 @@ def decode_records(buf: np.ndarray, parsed: ParsedRecords, outs: Sequence[np.nda
     frame, one native call per plane count decodes each block into a small scratch and
     interleaves its planes into place (:func:`~nvdcp.codecs.zstd_blocks.block_decoder`); else each
     codec decodes all its chunks in one call (:meth:`~nvdcp.codecs.base.Codec.decode_ranges`) and
-    the planes of every block are then interleaved into place by one native call per plane count. ``apply[i]``, when given as
-    ``(delta kind, element size)``: record ``i`` is a delta, applied to the bytes ``outs[i]``
+    the planes of every block are then interleaved into place by one native call per plane count.
+    ``apply[i]``, when given as ``(delta kind, element size)``: record ``i`` is a delta, applied to the bytes ``outs[i]``
     already holds (its base's, :func:`~nvdcp.transform.delta.apply_np`) as its planes are
     interleaved, instead of written there.
 
@@ -653,12 +653,14 @@ def decode_records(buf: np.ndarray, parsed: ParsedRecords, outs: Sequence[np.nda
     if compressed.any():
         ids = fields.codec_matrix(MAX_PLANES)[chunk_item[compressed], plane[compressed]].astype(np.int64)
         in_place = block_decoder() if (ids == _ZSTD_ID).all() else None
-        which = np.flatnonzero(compressed)
-        for cid in [] if in_place is not None else np.unique(ids).tolist():
-            sel = which[ids == cid]
-            decoded = plane_cpu_codecs((cid,))[0].decode_ranges(buf, parsed.starts[sel], parsed.sizes[sel], block_raw[sel], threads)
-            keep.append(decoded.owner)
-            pointers[sel] = decoded.addresses
+        if in_place is None:
+            which = np.flatnonzero(compressed)
+            for cid in np.unique(ids).tolist():
+                sel = which[ids == cid]
+                decoded = plane_cpu_codecs((cid,))[0].decode_ranges(buf, parsed.starts[sel], parsed.sizes[sel],
+                                                                    block_raw[sel], threads)
+                keep.append(decoded.owner)
+                pointers[sel] = decoded.addresses
     out_addr = np.fromiter((o if isinstance(o, int) else o.ctypes.data for o in outs), dtype=np.int64, count=len(outs))
     firsts = local % e == 0  # the first chunk of every block
     dsts = out_addr[chunk_item[firsts]] + block[firsts] * cb[chunk_item[firsts]] * e[firsts]
@@ -674,13 +676,18 @@ def decode_records(buf: np.ndarray, parsed: ParsedRecords, outs: Sequence[np.nda
         blocks = block_firsts[mine]
         if in_place is not None:
             chunks = (blocks[:, None] + np.arange(width)).reshape(-1)
-            apply_width = size if kind == delta_transform.ZIGZAG_DIFF else 1
             in_place.decode(pointers[chunks], parsed.sizes[chunks], compressed[chunks], block_raw[blocks], dsts[mine],
-                            width, kind, apply_width, threads)
+                            width, kind, _apply_width(kind, size), threads)
         elif kind < 0:
             _merge_blocks(pointers, blocks, block_raw[blocks], dsts[mine], width)
         else:
             _merge_apply_blocks(pointers, blocks, block_raw[blocks], dsts[mine], width, kind, size)
+
+
+def _apply_width(kind: int, element_size: int) -> int:
+    """The width of the elements a delta of ``kind`` is applied over: the element for a zigzag
+    difference, a byte for XOR."""
+    return element_size if kind == delta_transform.ZIGZAG_DIFF else 1
 
 
 def _merge_apply_blocks(pointers: np.ndarray, first: np.ndarray, ns: np.ndarray, dsts: np.ndarray, width: int,
@@ -688,7 +695,7 @@ def _merge_apply_blocks(pointers: np.ndarray, first: np.ndarray, ns: np.ndarray,
     """:func:`_merge_blocks`, each block applied as a delta of ``kind`` over ``element_size``-byte
     elements to the bytes at ``dsts[i]`` (one native pass; else merged, then applied with numpy)."""
     fn = _native_merge_apply_many()
-    apply_width = element_size if kind == delta_transform.ZIGZAG_DIFF else 1
+    apply_width = _apply_width(kind, element_size)
     if fn is not None:
         planes = np.ascontiguousarray(pointers[first[:, None] + np.arange(width)])
         done = fn(planes.ctypes.data, np.ascontiguousarray(ns, dtype=np.int64).ctypes.data,
