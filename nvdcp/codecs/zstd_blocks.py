@@ -5,8 +5,8 @@ A CPU load decodes each block's plane frames and interleaves the planes into the
 frames land in fresh buffers first: on the CPU machine, decoding 100 MB of bf16 top-plane frames
 took 0.145 s of CPU on 2 threads for 0.085 s of wall time, half of it the kernel zero-filling
 those buffers' pages, and the interleave then read them back from memory. One thread decoding
-each frame into a reused 64 KiB scratch took 0.062 s (2026-12-07, ``/tmp``-style probe recorded
-in docs/BENCHMARKS.md, forty-second session).
+each frame into a reused 64 KiB scratch took 0.062 s (CPU machine, 2026-12-07; the probe and the
+loads it sped up: docs/BENCHMARKS.md, "Forty-second session").
 
 :func:`block_decoder` hands ``nvdcp.codecs._zstd_batch`` (C++, optional) the addresses of the
 zstd decoding functions the `zstandard` package's cffi backend carries, and of the plane merge
