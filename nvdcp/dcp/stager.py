@@ -412,8 +412,6 @@ class NvcompStager:
             or ``"copy"`` (host copies of their raw bytes, compressed by the background save:
             what a writer saving deltas (``NvcompWriter(delta=...)``) stages through, since each
             item's base is only known once the save is planned).
-        gpu_chunk_bytes: ``chunk_bytes`` of the records compressed on a GPU (default None: the
-            same as the rest; :class:`~nvdcp.pipeline.config.EncodeConfig`).
         async_staging: overlapped staging (above); implies a future from ``stage``, so
             ``dcp.async_save`` returns an ``AsyncSaveResponse``.
         snapshot_bytes: GPU memory per device the overlapped snapshot may use in one save
@@ -445,7 +443,6 @@ class NvcompStager:
         async_staging: bool = False,
         snapshot_bytes: int | None = None,
         gpu_mode: str = "compress",
-        gpu_chunk_bytes: int | None = None,
     ) -> None:
         from nvdcp.dcp.commit import identical_save_policy
 
@@ -458,7 +455,7 @@ class NvcompStager:
             raise ValueError(f"buffer_bytes must be >= 0, got {buffer_bytes}")
         if snapshot_bytes is not None and snapshot_bytes < 0:
             raise ValueError(f"snapshot_bytes must be >= 0 or None, got {snapshot_bytes}")
-        self.encoding = EncodeConfig(codec, chunk_bytes, codec_threads, gpu_chunk_bytes)
+        self.encoding = EncodeConfig(codec, chunk_bytes, codec_threads)
         self.gpu = gpu or GpuConfig()
         self.cpu_mode = cpu_mode
         self.buffer_bytes = buffer_bytes
@@ -977,7 +974,7 @@ def shared_stager(encoding: EncodeConfig, gpu: GpuConfig, gpu_mode: str = "compr
         if key not in _SHARED:
             _SHARED[key] = NvcompStager(
                 codec=encoding.codec, chunk_bytes=encoding.chunk_bytes, gpu=gpu, codec_threads=encoding.codec_threads,
-                gpu_mode=gpu_mode, gpu_chunk_bytes=encoding.gpu_chunk_bytes,
+                gpu_mode=gpu_mode,
             )
         return _SHARED[key]
 

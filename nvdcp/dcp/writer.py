@@ -169,15 +169,13 @@ def auto_file_count(storage: Storage, nbytes: int) -> int:
     return max(1, min(cap, math.ceil(nbytes / AUTO_FILE_BYTES)))
 
 
-def _default_encoding(codec: str, codec_threads: int | None, encoder: ItemEncoder | None,
-                      saves_deltas: bool) -> EncodeConfig:
-    """A writer's encoding when the caller gives no ``chunk_bytes``: its ``encoder``'s chunk
-    sizes, else the format's default, with records a GPU compresses in
-    :data:`~nvdcp.dcp.delta.DELTA_CHUNK_BYTES` chunks for a writer that saves deltas (nvCOMP's
-    Zstd call takes as long as one chunk; the CPU codes and decodes larger frames faster)."""
+def _default_chunk_bytes(encoder: ItemEncoder | None, saves_deltas: bool) -> int:
+    """A writer's ``chunk_bytes`` when the caller gives none: its ``encoder``'s, else
+    :data:`~nvdcp.dcp.delta.DELTA_CHUNK_BYTES` for a writer that saves deltas (nvCOMP's Zstd call
+    on a GPU takes as long as one chunk), else the format's default."""
     if encoder is not None:
-        return EncodeConfig(codec, encoder.config.chunk_bytes, codec_threads, encoder.config.gpu_chunk_bytes)
-    return EncodeConfig(codec, DEFAULT_CHUNK_BYTES, codec_threads, DELTA_CHUNK_BYTES if saves_deltas else None)
+        return encoder.config.chunk_bytes
+    return DELTA_CHUNK_BYTES if saves_deltas else DEFAULT_CHUNK_BYTES
 
 
 class NvcompWriter(WriterStagingMixin, StorageWriter):
@@ -219,9 +217,8 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
             ``"zstd"``, ``"gdeflate"``, ``"none"`` (raw, still checksummed); ``"ans"`` and
             ``"bitcomp"`` need a GPU to save and to load.
         chunk_bytes: uncompressed bytes per independently compressed chunk (1 KiB..64 KiB; default
-            ``encoder``'s when one is given, else 64 KiB, and 32 KiB for records a GPU compresses
-            in a writer that saves deltas, ``delta=`` or ``base=``: see
-            :data:`nvdcp.dcp.delta.DELTA_CHUNK_BYTES`).
+            ``encoder``'s when one is given, else 64 KiB, or 32 KiB for a writer that saves
+            deltas, ``delta=`` or ``base=``: see :data:`nvdcp.dcp.delta.DELTA_CHUNK_BYTES`).
         codec_threads: CPU threads for compression (default: all cores).
         storage_options: backend options for URLs (see :func:`nvdcp.storage.open_storage`).
         gpu: bounds and choices of the GPU path (:class:`~nvdcp.gpu.config.GpuConfig`); tensors
@@ -296,10 +293,8 @@ class NvcompWriter(WriterStagingMixin, StorageWriter):
         if thread_count is not None and thread_count < 1:
             raise ValueError(f"thread_count must be >= 1, got {thread_count}")
         if chunk_bytes is None:
-            self.encoding = _default_encoding(codec, codec_threads, encoder,
-                                              saves_deltas=delta is not None or base is not None)
-        else:
-            self.encoding = EncodeConfig(codec, chunk_bytes, codec_threads)
+            chunk_bytes = _default_chunk_bytes(encoder, saves_deltas=delta is not None or base is not None)
+        self.encoding = EncodeConfig(codec, chunk_bytes, codec_threads)
         self.gpu = gpu or GpuConfig()
         if encoder is not None and (encoder.config, encoder.gpu) != (self.encoding, self.gpu):
             raise ValueError("encoder= was built with other settings than this writer's codec/chunk_bytes/gpu")

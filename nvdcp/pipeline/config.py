@@ -21,27 +21,20 @@ class EncodeConfig:
         chunk_bytes: uncompressed bytes per independently compressed chunk (1 KiB..64 KiB).
         codec_threads: CPU threads compressing chunks (``None``: the cores this rank may use,
             :func:`nvdcp.cores.usable_cores`).
-        gpu_chunk_bytes: ``chunk_bytes`` of the records a GPU compresses (``None``: the same as
-            the rest). Writers that save deltas set it smaller than ``chunk_bytes``: nvCOMP's
-            Zstd call on a GPU takes as long as one chunk, while a CPU codes and decodes larger
-            frames faster (:data:`nvdcp.dcp.delta.DELTA_CHUNK_BYTES`).
 
     Raises:
         UnknownCodecError: ``codec`` names no codec (a ``ValueError``).
-        ValueError: ``chunk_bytes``, ``gpu_chunk_bytes`` or ``codec_threads`` out of range.
+        ValueError: ``chunk_bytes`` or ``codec_threads`` out of range.
     """
 
     codec: str = "auto"
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     codec_threads: int | None = None
-    gpu_chunk_bytes: int | None = None
 
     def __post_init__(self) -> None:
         validate_codec_choice(self.codec)
-        for name in ("chunk_bytes", "gpu_chunk_bytes"):
-            value = getattr(self, name)
-            if (value is not None or name == "chunk_bytes") and not MIN_CHUNK_BYTES <= value <= MAX_CHUNK_BYTES:
-                raise ValueError(f"{name} must be within 1 KiB..64 KiB, got {value}")
+        if not MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ValueError(f"chunk_bytes must be within 1 KiB..64 KiB, got {self.chunk_bytes}")
         if self.codec_threads is not None and self.codec_threads < 1:
             raise ValueError(f"codec_threads must be >= 1, got {self.codec_threads}")
 
@@ -49,11 +42,6 @@ class EncodeConfig:
     def threads(self) -> int:
         """CPU codec threads to run (``codec_threads`` or every core)."""
         return self.codec_threads or usable_cores()
-
-    @property
-    def chunk_bytes_on_gpu(self) -> int:
-        """``chunk_bytes`` of the records a GPU compresses."""
-        return self.gpu_chunk_bytes or self.chunk_bytes
 
     @property
     def gpu_only(self) -> bool:

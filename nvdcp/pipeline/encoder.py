@@ -299,7 +299,7 @@ class ItemEncoder:
         if encoder is None:
             bound = self.gpu.gpu_memory_bytes
             encoder = GpuEncoder(
-                device, chunk_bytes=self.config.chunk_bytes_on_gpu, budget_bytes=self.gpu.gpu_budget(device) // shares,
+                device, chunk_bytes=self.config.chunk_bytes, budget_bytes=self.gpu.gpu_budget(device) // shares,
                 gdeflate_type=self.gpu.gdeflate_algorithm_type,
                 pinned_bytes=self.gpu.pinned_bytes() // shares, pinned=self.pinned,
                 bound=None if bound is None else SaveBound(bound, shares, self.config.codec == "auto"),

@@ -264,52 +264,36 @@ def _chunk_bytes(path: Path, fqn: str) -> int:
         return parse_item_header(memoryview(fh.read(length)), fqn).chunk_bytes
 
 
-def test_writers_that_save_deltas_keep_full_chunks_on_the_cpu_and_load_over_any_base(tmp_path: Path) -> None:
-    """A writer with ``base=`` or ``delta=`` compresses host tensors in 64 KiB chunks, as any
-    writer does; only records a GPU compresses take DELTA_CHUNK_BYTES (its encoding says so); its
-    deltas rebuild over a base of any chunk size; an explicit ``chunk_bytes`` sets both."""
+def test_writers_that_save_deltas_default_to_smaller_chunks_and_load_over_any_base(tmp_path: Path) -> None:
+    """A writer with ``base=`` or ``delta=`` writes 32 KiB chunks (DELTA_CHUNK_BYTES), whole
+    saves of a policy included; its deltas rebuild over a base of 64 KiB chunks; an explicit
+    ``chunk_bytes`` wins."""
     sd = _state()
-    save(sd, tmp_path / "plain", chunk_bytes=16 << 10)
+    save(sd, tmp_path / "plain")
     first = _snapshot(sd)
     _train(sd, 1)
     save(sd, tmp_path / "delta", base=tmp_path / "plain")
     assert "w" in _delta_fqns(tmp_path / "delta")
-    assert _chunk_bytes(tmp_path / "plain", "w") == 16 << 10
-    assert _chunk_bytes(tmp_path / "delta", "w") == 64 << 10
+    assert _chunk_bytes(tmp_path / "plain", "w") == 64 << 10
+    assert _chunk_bytes(tmp_path / "delta", "w") == delta_module.DELTA_CHUNK_BYTES == 32 << 10
     _load_check(tmp_path / "plain", first)
     _load_check(tmp_path / "delta", _snapshot(sd))
 
     policy = nvdcp.DeltaPolicy(full_every=4)
-    writer = nvdcp.NvcompWriter(tmp_path / "unused", delta=policy)
-    assert (writer.chunk_bytes, writer.encoding.chunk_bytes_on_gpu) == (64 << 10, delta_module.DELTA_CHUNK_BYTES)
-    assert delta_module.DELTA_CHUNK_BYTES == 32 << 10
-    assert nvdcp.NvcompWriter(tmp_path / "unused").encoding.chunk_bytes_on_gpu == 64 << 10
     save(sd, tmp_path / "whole", delta=policy)
-    assert _record(tmp_path / "whole") is None and _chunk_bytes(tmp_path / "whole", "w") == 64 << 10
+    assert _record(tmp_path / "whole") is None and _chunk_bytes(tmp_path / "whole", "w") == 32 << 10
     _train(sd, 2)
-    pinned = nvdcp.NvcompWriter(tmp_path / "unused", delta=policy, chunk_bytes=16 << 10)
-    assert pinned.encoding.chunk_bytes_on_gpu == 16 << 10
     save(sd, tmp_path / "pinned", delta=policy, chunk_bytes=16 << 10)
     assert "w" in _delta_fqns(tmp_path / "pinned") and _chunk_bytes(tmp_path / "pinned", "w") == 16 << 10
     _load_check(tmp_path / "pinned", _snapshot(sd))
-    encoder = ItemEncoder(EncodeConfig(chunk_bytes=8 << 10, gpu_chunk_bytes=4 << 10))  # a caller's encoder brings its chunk sizes
+    encoder = ItemEncoder(EncodeConfig())  # a caller's encoder brings its chunk size
     try:
         _train(sd, 3)
-        own = nvdcp.NvcompWriter(tmp_path / "unused", delta=policy, encoder=encoder)
-        assert own.encoding == encoder.config
         save(sd, tmp_path / "own_encoder", delta=policy, encoder=encoder)
     finally:
         encoder.close()
-    assert "w" in _delta_fqns(tmp_path / "own_encoder") and _chunk_bytes(tmp_path / "own_encoder", "w") == 8 << 10
+    assert "w" in _delta_fqns(tmp_path / "own_encoder") and _chunk_bytes(tmp_path / "own_encoder", "w") == 64 << 10
     _load_check(tmp_path / "own_encoder", _snapshot(sd))
-
-
-def test_encode_config_checks_the_gpu_chunk_size() -> None:
-    with pytest.raises(ValueError, match="gpu_chunk_bytes must be within 1 KiB..64 KiB, got 131072"):
-        EncodeConfig(gpu_chunk_bytes=128 << 10)
-    with pytest.raises(ValueError, match="gpu_chunk_bytes"):
-        EncodeConfig(gpu_chunk_bytes=0)
-    assert EncodeConfig(chunk_bytes=16 << 10).chunk_bytes_on_gpu == 16 << 10
 
 
 def test_explicit_base_must_not_be_the_target(tmp_path: Path) -> None:
@@ -423,7 +407,7 @@ def test_delta_that_does_not_pay_is_stored_whole_when_the_base_is_read_back(tmp_
     sd["w"] = weights_like((256, 300), seed=99)
     _train(sd, 2)
     save(sd, tmp_path / "s2", delta=policy)
-    save({"w": sd["w"]}, tmp_path / "whole")  # the policy writer's chunks on the CPU
+    save({"w": sd["w"]}, tmp_path / "whole", chunk_bytes=delta_module.DELTA_CHUNK_BYTES)  # the policy writer's chunks
     whole = next(i.length for i in _metadata(tmp_path / "whole").storage_data.values())
     got = next(i for ix, i in _metadata(tmp_path / "s2").storage_data.items() if ix.fqn == "w")
     _load_check(tmp_path / "s2", _snapshot(sd))  # correct either way: only the size is at stake
