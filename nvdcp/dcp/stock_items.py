@@ -64,19 +64,12 @@ DIRECT_MIN_BYTES = 1 << 20
 _BLOCK = 16 << 10
 
 
-class _RangeFile(io.RawIOBase):
-    """Bytes ``[offset, offset + length)`` of an open file as a seekable stream of their own.
+class _SeekableRecord(io.RawIOBase):
+    """A record of ``_length`` bytes as a seekable, read-only stream: the position and seeking
+    shared by :class:`_RangeFile` and :class:`_BufferFile` (each reads its own way)."""
 
-    Large reads (the tensor's bytes) use ``preadv`` straight into the caller's buffer
-    (``torch.load`` hands it the new tensor's memory); small ones (zip headers, the pickle) come
-    from two cached blocks, so a record costs about three system calls. No file position is
-    shared: threads can read one file at once.
-    """
-
-    def __init__(self, fd: int, offset: int, length: int) -> None:
-        super().__init__()
-        self._fd, self._start, self._length, self._pos = fd, offset, length, 0
-        self._blocks: list[tuple[int, bytes]] = []
+    _length: int
+    _pos: int
 
     def readable(self) -> bool:
         return True
@@ -93,6 +86,21 @@ class _RangeFile(io.RawIOBase):
             raise ValueError(f"negative seek position {base + pos}")
         self._pos = base + pos
         return self._pos
+
+
+class _RangeFile(_SeekableRecord):
+    """Bytes ``[offset, offset + length)`` of an open file as a seekable stream of their own.
+
+    Large reads (the tensor's bytes) use ``preadv`` straight into the caller's buffer
+    (``torch.load`` hands it the new tensor's memory); small ones (zip headers, the pickle) come
+    from two cached blocks, so a record costs about three system calls. No file position is
+    shared: threads can read one file at once.
+    """
+
+    def __init__(self, fd: int, offset: int, length: int) -> None:
+        super().__init__()
+        self._fd, self._start, self._length, self._pos = fd, offset, length, 0
+        self._blocks: list[tuple[int, bytes]] = []
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
@@ -130,29 +138,13 @@ class _RangeFile(io.RawIOBase):
         return got
 
 
-class _BufferFile(io.RawIOBase):
+class _BufferFile(_SeekableRecord):
     """A fetched record as a seekable stream, without copying it first (``io.BytesIO`` would)."""
 
     def __init__(self, data: Buffer) -> None:
         super().__init__()
         self._data = memoryview(data).cast("B")
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._data)}[whence]
-        if base + pos < 0:
-            raise ValueError(f"negative seek position {base + pos}")
-        self._pos = base + pos
-        return self._pos
+        self._length, self._pos = len(self._data), 0
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")

@@ -374,3 +374,28 @@ def test_stock_metadata_paths_from_other_pythons_and_systems(tmp_path: Path, mod
     md = nvdcp.NvcompReader(path).read_metadata()
     assert isinstance(md.storage_meta.checkpoint_id, getattr(pathlib, expect))
     assert_same(nv_load(path, sd), sd)
+
+
+@pytest.mark.parametrize("kind", ["range", "buffer"])
+def test_record_streams_seek_and_read_as_bytesio_does(tmp_path: Path, kind: str) -> None:
+    """The streams stock records are read through (a range of an open file, a fetched buffer)
+    behave as ``io.BytesIO`` over the same bytes for every seek and read ``torch.load`` makes."""
+    from nvdcp.dcp.stock_items import _BufferFile, _RangeFile
+
+    record = bytes(range(256)) * 300  # 76,800 bytes: small reads hit the cached blocks, large ones preadv
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 1000 + record + b"y" * 1000)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        stream = _RangeFile(fd, 1000, len(record)) if kind == "range" else _BufferFile(memoryview(record))
+        twin = io.BytesIO(record)
+        for pos, whence, n in [(0, io.SEEK_SET, 10), (-22, io.SEEK_END, 22), (5, io.SEEK_CUR, 40_000),
+                               (100, io.SEEK_SET, -1), (-1, io.SEEK_END, 50), (len(record) + 5, io.SEEK_SET, 3)]:
+            assert stream.seek(pos, whence) == twin.seek(pos, whence)
+            assert stream.read(n) == twin.read(n)
+            assert stream.tell() == twin.tell()
+        with pytest.raises(ValueError, match="negative seek position -1"):
+            stream.seek(-1, io.SEEK_SET)
+        assert stream.readable() and stream.seekable()
+    finally:
+        os.close(fd)
