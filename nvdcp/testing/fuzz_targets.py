@@ -7,6 +7,7 @@ unbounded allocation fails as MemoryError, and a crash or an abort kills only th
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -16,6 +17,7 @@ import shutil
 import struct
 import tempfile
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -219,15 +221,23 @@ _INTS = st.one_of(st.integers(-5, 1 << 20), st.sampled_from([1 << 31, 1 << 32, 1
                   st.booleans(), st.floats(allow_nan=True), st.none())
 
 
-@given(st.data())
-def fuzz_reader_records(data: Any) -> None:
-    src = _checkpoint()
+@contextlib.contextmanager
+def _case(data: Any) -> Iterator[tuple[Path, Any, Any, Any]]:
+    """A fresh copy of the checkpoint for one example: its path, its ``.metadata``, and an item
+    drawn from it (index and storage info); the copy is removed afterwards."""
     work = Path(tempfile.mkdtemp(prefix="nvdcp-fuzz-case-")) / "ckpt"
-    shutil.copytree(src, work)
+    shutil.copytree(_checkpoint(), work)
     try:
         md = pickle.loads((work / ".metadata").read_bytes())
         index = data.draw(st.sampled_from(sorted(md.storage_data, key=lambda ix: ix.fqn)))
-        info = md.storage_data[index]
+        yield work, md, index, md.storage_data[index]
+    finally:
+        shutil.rmtree(work.parent)
+
+
+@given(st.data())
+def fuzz_reader_records(data: Any) -> None:
+    with _case(data) as (work, md, index, info):
         path, offset, length, descs = info.relative_path, info.offset, info.length, info.transform_descriptors
         field = data.draw(st.sampled_from(["path", "offset", "length", "descriptor", "all"]))
         if field in ("path", "all"):
@@ -245,19 +255,11 @@ def fuzz_reader_records(data: Any) -> None:
         (work / ".metadata").write_bytes(pickle.dumps(md))
         result = _load(work)
         assert result != "WRONG"
-    finally:
-        shutil.rmtree(work.parent)
 
 
 @given(st.data())
 def fuzz_reader_files(data: Any) -> None:
-    src = _checkpoint()
-    work = Path(tempfile.mkdtemp(prefix="nvdcp-fuzz-case-")) / "ckpt"
-    shutil.copytree(src, work)
-    try:
-        md = pickle.loads((work / ".metadata").read_bytes())
-        index = data.draw(st.sampled_from(sorted(md.storage_data, key=lambda ix: ix.fqn)))
-        info = md.storage_data[index]
+    with _case(data) as (work, _, index, info):
         # A forged bytes item is a valid nvdcp item holding other bytes: what torch's planner then
         # makes of them (torch.load) is not nvdcp's to check. Forge tensors only.
         forgeable = index.fqn != "extra.k"
@@ -277,8 +279,6 @@ def fuzz_reader_files(data: Any) -> None:
         # (it is a different, valid file), but must still fail only with NvdcpError.
         assert result != "WRONG" or forged
         SEEN["forged" if forged else "damaged"] += 1
-    finally:
-        shutil.rmtree(work.parent)
 
 
 TARGETS = {
